@@ -1,0 +1,50 @@
+# rollstream: the README's two commands are `make demo` and `make test`.
+# Both work on a fresh machine: they create .venv, install rollstream with its extras, and
+# resolve the Kafka broker jars from Maven Central once (see infra/kafka/pom.xml).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install kafka-jars test test-unit demo bench lint clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	@command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
+	@command -v mvn >/dev/null || (apt-get update && apt-get install -y maven)
+	$(PY) -m pip install --quiet -e ".[dev,train]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+kafka-jars: $(STAMP)
+	$(PY) -c "from rollstream.infra.kafka import resolve_classpath; resolve_classpath()"
+
+# The test session starts the real Kafka broker itself (tests/conftest.py) and stops it.
+# pytest exit codes: 0 passed; 5 means no test ran, which is a failure here too.
+test: kafka-jars
+	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+demo: kafka-jars
+	$(VENV)/bin/rollstream demo
+
+bench: $(STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b --quick | tail -n 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	-$(VENV)/bin/rollstream down
+	rm -rf .rollstream

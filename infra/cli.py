@@ -1,0 +1,179 @@
+"""The ``rollstream`` console script. Each subcommand builds its settings (environment
+``ROLLSTREAM_*`` plus flags) and calls a ``run``-style function.
+
+    rollstream up [--host H] [--port P]      start the local Kafka broker and create topics
+    rollstream down                          stop it (data stays under .rollstream/)
+    rollstream status                        broker state, topics and message counts
+    rollstream topics                        create missing topics, list them
+    rollstream tail TOPIC [--from-beginning] [--limit N] [--format json|pretty]
+    rollstream demo                          the README's main job
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+console = Console(stderr=True)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "home", None):
+        out["home"] = args.home
+    if getattr(args, "namespace", None) is not None:
+        out["namespace"] = args.namespace
+    if getattr(args, "bootstrap", None):
+        out["kafka_bootstrap"] = args.bootstrap
+    return out
+
+
+def _stack_settings(args: argparse.Namespace) -> Any:
+    from .stack import StackSettings
+
+    over = _overrides(args)
+    if getattr(args, "port", None) or getattr(args, "host", None):
+        host = args.host or "127.0.0.1"
+        port = args.port or 9092
+        over["kafka_bootstrap"] = f"{host}:{port}"
+    return StackSettings(**over)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from . import stack
+
+    settings = _stack_settings(args)
+    with console.status(f"starting Kafka (KRaft) at {settings.kafka_bootstrap} ..."):
+        created = stack.up(settings)
+    st = stack.status(settings)
+    console.print(f"[green]kafka ready[/] at {st.bootstrap} (pid {st.pid}, data {st.data_dir})")
+    if created:
+        console.print(f"created topics: {', '.join(created)}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from . import stack
+
+    settings = _stack_settings(args)
+    was = stack.down(settings)
+    console.print("kafka stopped" if was else "kafka was not running")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import stack
+
+    settings = _stack_settings(args)
+    st = stack.status(settings)
+    state = (
+        "[green]ready[/]" if st.ready else ("[yellow]starting[/]" if st.running else "[red]down[/]")
+    )
+    console.print(f"kafka: {state}  bootstrap={st.bootstrap}  pid={st.pid}")
+    console.print(f"data: {st.data_dir}  log: {st.log_file}")
+    if st.topics:
+        table = Table("topic", "partitions", "messages")
+        for t in st.topics:
+            table.add_row(t.name, str(t.partitions), str(t.messages))
+        Console().print(table)
+    return 0 if st.ready else 1
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from .topics import describe_topics, ensure_topics
+
+    settings = _stack_settings(args)
+    created = ensure_topics(settings)
+    table = Table("topic", "partitions", "messages", "new")
+    for t in describe_topics(settings):
+        table.add_row(
+            t.name, str(t.partitions), str(t.messages), "yes" if t.name in created else ""
+        )
+    Console().print(table)
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from . import tail
+    from .stack import StackSettings
+
+    settings = StackSettings(**_overrides(args))
+    opts = tail.TailOptions(
+        args.topic, args.from_beginning, args.limit, args.format, args.idle_timeout
+    )
+    try:
+        tail.run(settings, opts)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoSettings, run
+
+    return run(DemoSettings(**_overrides(args)))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", help="state directory (default .rollstream)")
+    p.add_argument("--namespace", help="topic namespace prefix")
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollstream", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+        "up": (cmd_up, "start the local Kafka broker and create the topics"),
+        "down": (cmd_down, "stop the local stack"),
+        "status": (cmd_status, "show the local stack"),
+        "topics": (cmd_topics, "create missing topics and list them"),
+        "tail": (cmd_tail, "print decoded records of a topic"),
+        "demo": (cmd_demo, "run the demo"),
+    }
+    for name, (fn, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text)
+        _common(p)
+        p.set_defaults(fn=fn)
+        if name in ("up", "down", "status", "topics"):
+            p.add_argument("--host", help="broker listener host")
+            p.add_argument("--port", type=int, help="broker listener port")
+        if name == "tail":
+            p.add_argument("topic", help="events | samples | trajectories | dlq | policy | NAME")
+            p.add_argument("--from-beginning", action="store_true")
+            p.add_argument("--limit", type=int)
+            p.add_argument("--format", choices=("json", "pretty"), default="pretty")
+            p.add_argument("--idle-timeout", type=float, help="stop after S seconds of silence")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the CLI's one place that turns errors into a message + exit 1
+        if args.verbose:
+            raise
+        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Avro codec for rollstream records (fastavro).
+
+Wire formats:
+- Avro single-object encoding (default): ``C3 01`` + 8-byte little-endian CRC-64-AVRO
+  fingerprint of the writer schema's canonical form + the Avro binary body. Readers resolve the
+  writer schema by fingerprint and read it into the current (reader) schema, so records written
+  by an older or newer compatible schema decode.
+- Confluent Schema Registry framing (when a registry URL is given): ``00`` + 4-byte big-endian
+  schema id + body; ids are registered and fetched through the registry's REST API.
+
+Token arrays are packed bytes fields (see events.py), so a decode is fastavro's record read plus
+one ``np.frombuffer`` per array. ``Codec.decode`` never raises anything but ``DecodeError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import fastavro
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+from .errors import DecodeError, EncodeError, RegistryError, UnknownSchemaError
+from .events import Event, PolicyVersion, Record, Sample, Trajectory
+
+__all__ = [
+    "AVRO_DIR",
+    "RECORD_TYPES",
+    "Codec",
+    "RegistryClient",
+    "SchemaSet",
+    "load_schema",
+]
+
+AVRO_DIR = Path(__file__).parent / "avro"
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+CONFLUENT_MAGIC = b"\x00"
+RECORD_TYPES: dict[str, type[Any]] = {
+    "rollstream.Event": Event,
+    "rollstream.PolicyVersion": PolicyVersion,
+    "rollstream.Trajectory": Trajectory,
+    "rollstream.Sample": Sample,
+}
+_TYPE_NAMES = {cls: name for name, cls in RECORD_TYPES.items()}
+
+
+def _expand(schema: Any, avro_dir: Path, seen: set[str]) -> Any:
+    """Inline named references (``"rollstream.Usage"``) from ``<name>.avsc`` files, defining each
+    name once (Avro forbids redefinition) and referring to it by name afterwards."""
+    if isinstance(schema, str):
+        if "." in schema and schema not in seen:
+            path = avro_dir / f"{schema}.avsc"
+            if path.exists():
+                return _expand(json.loads(path.read_text()), avro_dir, seen)
+        return schema
+    if isinstance(schema, list):
+        return [_expand(s, avro_dir, seen) for s in schema]
+    if isinstance(schema, dict):
+        out = dict(schema)
+        kind = out.get("type")
+        if kind in ("record", "enum", "fixed"):
+            name = (
+                out["name"] if "." in out["name"] else f"{out.get('namespace', '')}.{out['name']}"
+            )
+            seen.add(name)
+        if kind == "record":
+            out["fields"] = [
+                {**f, "type": _expand(f["type"], avro_dir, seen)} for f in out["fields"]
+            ]
+        elif kind == "array":
+            out["items"] = _expand(out["items"], avro_dir, seen)
+        elif kind == "map":
+            out["values"] = _expand(out["values"], avro_dir, seen)
+        elif isinstance(kind, dict | list):
+            out["type"] = _expand(kind, avro_dir, seen)
+        return out
+    return schema
+
+
+def load_schema(name: str, avro_dir: Path = AVRO_DIR) -> dict[str, Any]:
+    """The full (self-contained) JSON schema of a top-level record, e.g. ``rollstream.Event``."""
+    raw = json.loads((avro_dir / f"{name}.avsc").read_text())
+    expanded: dict[str, Any] = _expand(raw, avro_dir, set())
+    return expanded
+
+
+class _Schema:
+    """One parsed schema with its fingerprint and full name."""
+
+    __slots__ = ("canonical", "fingerprint", "json", "name", "parsed")
+
+    def __init__(self, schema_json: dict[str, Any]) -> None:
+        self.json = schema_json
+        self.parsed = fastavro.parse_schema(copy.deepcopy(schema_json), _force=True)
+        self.name: str = self.parsed["name"]
+        self.canonical = to_parsing_canonical_form(self.parsed)
+        self.fingerprint = bytes.fromhex(fingerprint(self.canonical, "CRC-64-AVRO"))
+
+
+class SchemaSet:
+    """Reader schemas (one per record type) and every writer schema we can resolve."""
+
+    def __init__(self, reader_schemas: list[dict[str, Any]] | None = None) -> None:
+        if reader_schemas is None:
+            reader_schemas = [load_schema(name) for name in RECORD_TYPES]
+        self._lock = threading.Lock()
+        self.readers: dict[str, _Schema] = {}
+        self.writers: dict[bytes, _Schema] = {}
+        for schema_json in reader_schemas:
+            schema = _Schema(schema_json)
+            self.readers[schema.name] = schema
+            self.writers[schema.fingerprint] = schema
+
+    def add_writer(self, schema_json: dict[str, Any]) -> bytes:
+        """Register an older or newer writer schema; returns its fingerprint."""
+        schema = _Schema(schema_json)
+        with self._lock:
+            self.writers[schema.fingerprint] = schema
+        return schema.fingerprint
+
+    def reader(self, name: str) -> _Schema:
+        return self.readers[name]
+
+
+class RegistryClient:
+    """The few calls of the Confluent Schema Registry REST API that framing needs."""
+
+    def __init__(self, url: str, *, timeout: float = 10.0, auth: tuple[str, str] | None = None):
+        import httpx  # I/O edge: only when a registry is configured
+
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, auth=auth)
+        self._ids: dict[tuple[str, str], int] = {}
+        self._schemas: dict[int, dict[str, Any]] = {}
+
+    def register(self, subject: str, schema_json: dict[str, Any]) -> int:
+        text = json.dumps(schema_json, separators=(",", ":"))
+        key = (subject, text)
+        if key not in self._ids:
+            try:
+                resp = self._http.post(
+                    f"/subjects/{subject}/versions",
+                    json={"schema": text},
+                    headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+                )
+                resp.raise_for_status()
+                self._ids[key] = int(resp.json()["id"])
+            except Exception as exc:
+                raise RegistryError(f"registering {subject}: {exc}") from exc
+            self._schemas[self._ids[key]] = schema_json
+        return self._ids[key]
+
+    def get(self, schema_id: int) -> dict[str, Any]:
+        if schema_id not in self._schemas:
+            try:
+                resp = self._http.get(f"/schemas/ids/{schema_id}")
+                resp.raise_for_status()
+                self._schemas[schema_id] = json.loads(resp.json()["schema"])
+            except Exception as exc:
+                raise RegistryError(f"fetching schema id {schema_id}: {exc}") from exc
+        return self._schemas[schema_id]
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class Codec:
+    """Encodes and decodes rollstream records.
+
+    ``encode(record)`` picks the schema from the record's type. ``decode(data)`` returns the
+    typed record; ``decode(data, expect=Sample)`` also checks the type. Any failure to decode is
+    a ``DecodeError`` carrying the raw bytes and the reason.
+    """
+
+    def __init__(
+        self,
+        schemas: SchemaSet | None = None,
+        *,
+        registry: RegistryClient | None = None,
+        writer_overrides: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.schemas = schemas or SchemaSet()
+        self.registry = registry
+        self._registry_ids: dict[str, int] = {}
+        self._registry_writers: dict[int, _Schema] = {}
+        # a writer schema other than the reader (used to produce old/new versions in tests)
+        self._writers: dict[str, _Schema] = {}
+        for name, schema_json in (writer_overrides or {}).items():
+            fp = self.schemas.add_writer(schema_json)
+            self._writers[name] = self.schemas.writers[fp]
+
+    # --- encode ---------------------------------------------------------------------------
+
+    def _writer(self, name: str) -> _Schema:
+        return self._writers.get(name) or self.schemas.reader(name)
+
+    def encode(self, record: Record) -> bytes:
+        name = _TYPE_NAMES.get(type(record))
+        if name is None:
+            raise EncodeError(f"not a top-level rollstream record: {type(record).__name__}")
+        return self.encode_dict(name, record.to_avro())
+
+    def encode_dict(self, name: str, data: dict[str, Any]) -> bytes:
+        schema = self._writer(name)
+        buf = io.BytesIO()
+        if self.registry is not None:
+            schema_id = self._registry_ids.get(name)
+            if schema_id is None:
+                schema_id = self.registry.register(f"{name}-value", schema.json)
+                self._registry_ids[name] = schema_id
+            buf.write(CONFLUENT_MAGIC + struct.pack(">I", schema_id))
+        else:
+            buf.write(SINGLE_OBJECT_MAGIC + schema.fingerprint)
+        try:
+            fastavro.schemaless_writer(buf, schema.parsed, data)
+        except Exception as exc:
+            raise EncodeError(f"{name}: {exc}") from exc
+        return buf.getvalue()
+
+    # --- decode ---------------------------------------------------------------------------
+
+    def _resolve(self, data: bytes) -> tuple[_Schema, int]:
+        if data[:2] == SINGLE_OBJECT_MAGIC and len(data) >= 10:
+            writer = self.schemas.writers.get(data[2:10])
+            if writer is None:
+                raise UnknownSchemaError(f"unknown schema fingerprint {data[2:10].hex()}", data)
+            return writer, 10
+        if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
+            if self.registry is None:
+                raise UnknownSchemaError("registry-framed record but no registry configured", data)
+            (schema_id,) = struct.unpack(">I", data[1:5])
+            writer = self._registry_writers.get(schema_id)
+            if writer is None:
+                try:
+                    writer = _Schema(self.registry.get(schema_id))
+                except RegistryError as exc:
+                    raise UnknownSchemaError(str(exc), data) from exc
+                self._registry_writers[schema_id] = writer
+            return writer, 5
+        raise DecodeError("no Avro single-object or registry header", data)
+
+    def decode_dict(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise DecodeError(f"expected bytes, got {type(data).__name__}", b"")
+        data = bytes(data)
+        writer, offset = self._resolve(data)
+        reader = self.schemas.readers.get(writer.name)
+        if reader is None:
+            raise UnknownSchemaError(f"no reader schema for {writer.name}", data)
+        buf = io.BytesIO(data)
+        buf.seek(offset)
+        try:
+            record = fastavro.schemaless_reader(
+                buf,
+                writer.parsed,
+                reader.parsed if reader is not writer else None,
+                return_record_name=True,
+            )
+        except Exception as exc:
+            raise DecodeError(f"{writer.name}: {type(exc).__name__}: {exc}", data) from exc
+        if buf.tell() != len(data):
+            raise DecodeError(f"{len(data) - buf.tell()} trailing bytes after {writer.name}", data)
+        return writer.name, record  # type: ignore[return-value]
+
+    def decode(self, data: bytes, expect: type[Any] | None = None) -> Any:
+        name, record = self.decode_dict(data)
+        cls = RECORD_TYPES[name]
+        if expect is not None and cls is not expect:
+            raise DecodeError(f"expected {expect.__name__}, got {cls.__name__}", bytes(data))
+        try:
+            return cls.from_avro(record)
+        except Exception as exc:
+            raise DecodeError(f"{name}: {type(exc).__name__}: {exc}", bytes(data)) from exc

@@ -1,0 +1,488 @@
+"""Typed records that mirror the .avsc files in schemas/avro (the source of truth).
+
+Token IDs and logprobs are numpy arrays in Python and packed little-endian bytes on the wire
+(uint32 ids, float32 logprobs, uint8 masks, int32 parent indices, int64 versions), so decoding
+them is one ``np.frombuffer`` call, never a per-element loop. Arrays decoded from the wire are
+read-only views of the record's bytes; copy them before writing into them.
+
+Each class knows how to turn itself into the dict fastavro writes (``to_avro``) and back
+(``from_avro``), and into plain JSON-able data (``to_json``; token arrays become lists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "BODY_TYPES",
+    "F32",
+    "I32",
+    "I64",
+    "U8",
+    "U32",
+    "Body",
+    "Branch",
+    "BranchKind",
+    "Event",
+    "LlmCall",
+    "PolicyVersion",
+    "Record",
+    "Reward",
+    "RewardKind",
+    "RewardRecord",
+    "RolloutError",
+    "RolloutFinished",
+    "RolloutStarted",
+    "RolloutStatus",
+    "Sample",
+    "SampleMode",
+    "ToolCall",
+    "Trajectory",
+    "TrajectoryNode",
+    "Usage",
+    "as_array",
+]
+
+U32 = np.dtype("<u4")
+F32 = np.dtype("<f4")
+U8 = np.dtype("u1")
+I32 = np.dtype("<i4")
+I64 = np.dtype("<i8")
+
+Array: TypeAlias = npt.NDArray[Any]
+
+
+class RewardKind(enum.StrEnum):
+    FINAL = "final"
+    PARTIAL = "partial"
+    MILESTONE = "milestone"
+    PENALTY = "penalty"
+
+
+class BranchKind(enum.StrEnum):
+    RETRY = "retry"
+    REWIND = "rewind"
+    FORK = "fork"
+    SUBAGENT = "subagent"
+    SUMMARIZE = "summarize"
+
+
+class RolloutStatus(enum.StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+    TRUNCATED = "truncated"
+
+
+class SampleMode(enum.StrEnum):
+    PATH = "path"
+    TREE = "tree"
+
+
+def as_array(value: Any, dtype: np.dtype[Any]) -> Array:
+    """Coerce a list, array or packed bytes into a contiguous array of ``dtype``."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return np.frombuffer(value, dtype=dtype)
+    return np.ascontiguousarray(value, dtype=dtype)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+class _Record:
+    """Shared machinery. Subclasses declare which fields are packed arrays, nested records,
+    lists of records and enums; conversion plans are computed once per class."""
+
+    AVRO_NAME: ClassVar[str]
+    _arrays: ClassVar[dict[str, np.dtype[Any]]] = {}
+    _nested: ClassVar[dict[str, type[_Record]]] = {}
+    _nested_lists: ClassVar[dict[str, type[_Record]]] = {}
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {}
+
+    @classmethod
+    def _field_names(cls) -> tuple[str, ...]:
+        return _field_names(cls)
+
+    def __post_init__(self) -> None:
+        for name, dtype in self._arrays.items():
+            value = getattr(self, name)
+            if not (isinstance(value, np.ndarray) and value.dtype == dtype):
+                object.__setattr__(self, name, as_array(value, dtype))
+        for name, enum_type in self._enums.items():
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                object.__setattr__(self, name, enum_type(value))
+
+    def to_avro(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self._field_names():
+            value = getattr(self, name)
+            if name in self._arrays:
+                out[name] = value.tobytes()
+            elif name in self._nested:
+                out[name] = value.to_avro()
+            elif name in self._nested_lists:
+                out[name] = [item.to_avro() for item in value]
+            elif name in self._enums:
+                out[name] = str(value)
+            else:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_avro(cls, data: dict[str, Any]) -> Any:
+        kwargs: dict[str, Any] = {}
+        for name in cls._field_names():
+            value = data[name]
+            if name in cls._arrays:
+                value = np.frombuffer(value, dtype=cls._arrays[name])
+            elif name in cls._nested:
+                value = cls._nested[name].from_avro(value)
+            elif name in cls._nested_lists:
+                item_cls = cls._nested_lists[name]
+                value = [item_cls.from_avro(item) for item in value]
+            elif name in cls._enums:
+                value = cls._enums[name](value)
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self._field_names():
+            value = getattr(self, name)
+            if name in self._arrays:
+                out[name] = value.tolist()
+            elif name in self._nested:
+                out[name] = value.to_json()
+            elif name in self._nested_lists:
+                out[name] = [item.to_json() for item in value]
+            elif name in self._enums:
+                out[name] = str(value)
+            else:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        """Inverse of ``to_json`` (token arrays from lists); used by golden JSONL logs."""
+        kwargs: dict[str, Any] = {}
+        for name in cls._field_names():
+            if name not in data:
+                continue  # dataclass default
+            value = data[name]
+            if name in cls._nested:
+                value = cls._nested[name].from_json(value)
+            elif name in cls._nested_lists:
+                item_cls = cls._nested_lists[name]
+                value = [item_cls.from_json(item) for item in value]
+            kwargs[name] = value  # arrays and enums are coerced by __post_init__
+        return cls(**kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for name in self._field_names():
+            a, b = getattr(self, name), getattr(other, name)
+            if name in self._arrays:
+                if not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# --- event bodies -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class RolloutStarted(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.RolloutStarted"
+    task_id: str
+    group_id: str
+    attempt: int = 0
+    harness: str = ""
+    policy_version: int = 0
+    group_size: int | None = None
+    run_id: str = ""
+    sampling: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
+class Usage(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.Usage"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class LlmCall(_Record):
+    """prefix_len tokens are shared with the parent's full sequence; prompt_delta is new.
+    The full prompt is ``parent.prompt + parent.completion`` cut to prefix_len, then the delta."""
+
+    AVRO_NAME: ClassVar[str] = "rollstream.LlmCall"
+    _arrays: ClassVar[dict[str, np.dtype[Any]]] = {
+        "prompt_delta": U32,
+        "completion_ids": U32,
+        "completion_logprobs": F32,
+    }
+    _nested: ClassVar[dict[str, type[_Record]]] = {"usage": Usage}
+    call_id: str
+    parent_call_id: str | None
+    prefix_len: int
+    prompt_delta: Array
+    completion_ids: Array
+    completion_logprobs: Array
+    finish_reason: str = "stop"
+    model: str = ""
+    backend: str = ""
+    policy_version: int = 0
+    latency_ms: float = 0.0
+    usage: Usage = field(default_factory=Usage)
+    drift_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prefix_len + len(self.prompt_delta)
+
+
+@dataclass(eq=False, slots=True)
+class ToolCall(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.ToolCall"
+    tool_call_id: str
+    name: str
+    arguments: str = ""
+    result: str = ""
+    result_truncated: bool = False
+    is_error: bool = False
+    duration_ms: float = 0.0
+    sandbox: str | None = None
+    at_call_id: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Reward(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.Reward"
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"kind": RewardKind}
+    value: float
+    kind: RewardKind = RewardKind.FINAL
+    name: str = ""
+    at_call_id: str | None = None
+    evaluator: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class Branch(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.Branch"
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"kind": BranchKind}
+    branch_id: str
+    kind: BranchKind = BranchKind.FORK
+    source_call_id: str | None = None
+    reason: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class RolloutError(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.RolloutError"
+    source: str
+    message: str
+    code: int = 0
+    call_id: str | None = None
+    backend: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class RolloutFinished(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.RolloutFinished"
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"status": RolloutStatus}
+    status: RolloutStatus = RolloutStatus.COMPLETED
+    error: str | None = None
+
+
+Body: TypeAlias = (
+    RolloutStarted | LlmCall | ToolCall | Reward | Branch | RolloutError | RolloutFinished
+)
+BODY_TYPES: dict[str, type[_Record]] = {
+    cls.AVRO_NAME: cls
+    for cls in (RolloutStarted, LlmCall, ToolCall, Reward, Branch, RolloutError, RolloutFinished)
+}
+
+
+@dataclass(eq=False, slots=True)
+class Event(_Record):
+    """The envelope of rollout.events. ``ts`` is microseconds since the epoch (UTC)."""
+
+    AVRO_NAME: ClassVar[str] = "rollstream.Event"
+    event_id: str
+    rollout_id: str
+    seq: int
+    ts: int
+    body: Body
+    producer: str = ""
+    schema_version: int = 1
+
+    @property
+    def kind(self) -> str:
+        return type(self.body).__name__
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "event_id": self.event_id,
+            "rollout_id": self.rollout_id,
+            "seq": self.seq,
+            "ts": self.ts,
+            "producer": self.producer,
+            "schema_version": self.schema_version,
+            "body": (self.body.AVRO_NAME, self.body.to_avro()),
+        }
+
+    @classmethod
+    def from_avro(cls, data: dict[str, Any]) -> Event:
+        name, body = data["body"]
+        return cls(
+            event_id=data["event_id"],
+            rollout_id=data["rollout_id"],
+            seq=data["seq"],
+            ts=data["ts"],
+            producer=data["producer"],
+            schema_version=data["schema_version"],
+            body=BODY_TYPES[name].from_avro(body),
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Event:
+        body_cls = BODY_TYPES[f"rollstream.{data['type']}"]
+        return cls(
+            event_id=data["event_id"],
+            rollout_id=data["rollout_id"],
+            seq=data["seq"],
+            ts=data["ts"],
+            producer=data.get("producer", ""),
+            schema_version=data.get("schema_version", 1),
+            body=body_cls.from_json(data["body"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event_id": self.event_id,
+            "rollout_id": self.rollout_id,
+            "seq": self.seq,
+            "ts": self.ts,
+            "producer": self.producer,
+            "schema_version": self.schema_version,
+            "type": self.kind,
+            "body": self.body.to_json(),
+        }
+
+
+# --- derived records ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class PolicyVersion(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.PolicyVersion"
+    version: int
+    checkpoint_uri: str
+    trainer_step: int
+    ts: int
+    samples_trained: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
+class TrajectoryNode(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.TrajectoryNode"
+    _arrays: ClassVar[dict[str, np.dtype[Any]]] = {
+        "prompt_tokens": U32,
+        "completion_ids": U32,
+        "completion_logprobs": F32,
+    }
+    call_id: str
+    parent_call_id: str | None
+    prefix_len: int
+    prompt_tokens: Array
+    completion_ids: Array
+    completion_logprobs: Array
+    policy_version: int = 0
+    finish_reason: str = "stop"
+
+
+@dataclass(eq=False, slots=True)
+class RewardRecord(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.RewardRecord"
+    value: float
+    kind: str
+    name: str = ""
+    at_call_id: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Trajectory(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.Trajectory"
+    _nested_lists: ClassVar[dict[str, type[_Record]]] = {
+        "nodes": TrajectoryNode,
+        "rewards": RewardRecord,
+    }
+    rollout_id: str
+    task_id: str
+    group_id: str
+    status: str
+    score: float
+    nodes: list[TrajectoryNode]
+    attempt: int = 0
+    group_size: int | None = None
+    run_id: str = ""
+    error: str | None = None
+    score_source: str = "final"
+    rewards: list[RewardRecord] = field(default_factory=list)
+    num_events: int = 0
+    last_seq: int = -1
+    started_ts: int = 0
+    finished_ts: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
+class Sample(_Record):
+    AVRO_NAME: ClassVar[str] = "rollstream.Sample"
+    _arrays: ClassVar[dict[str, np.dtype[Any]]] = {
+        "input_ids": U32,
+        "loss_mask": U8,
+        "behaviour_logprobs": F32,
+        "parent_indices": I32,
+        "token_policy_versions": I64,
+    }
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"mode": SampleMode}
+    sample_id: str
+    rollout_id: str
+    group_id: str
+    task_id: str
+    input_ids: Array
+    loss_mask: Array
+    behaviour_logprobs: Array
+    advantage: float
+    reward: float
+    policy_version: int
+    mode: SampleMode = SampleMode.PATH
+    parent_indices: Array = field(default_factory=lambda: np.zeros(0, I32))
+    token_policy_versions: Array = field(default_factory=lambda: np.zeros(0, I64))
+    loss_weight: float = 1.0
+    policy_versions: list[int] = field(default_factory=list)
+    leaf_id: str = ""
+    num_tokens: int = 0
+
+
+Record: TypeAlias = Event | PolicyVersion | Trajectory | Sample

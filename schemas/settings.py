@@ -1,0 +1,58 @@
+"""Settings shared by every deployable: how to reach Kafka, ClickHouse and the registry.
+
+Each deployable (stack, recorder, proxy, processor, sink, trainer) has one pydantic-settings
+class that extends ``CommonSettings``; all read ``ROLLSTREAM_*`` variables (see
+docs/configuration.md). They are built in ``main()`` and passed down; nothing else reads the
+environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .topics import Topics
+
+__all__ = ["CommonSettings", "kafka_client_config"]
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ROLLSTREAM_", extra="ignore")
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: str | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_ca_location: str | None = None
+    namespace: str = ""
+    topic_replication: int = 1
+    schema_registry_url: str | None = None
+    clickhouse_url: str = "chdb://.rollstream/clickhouse"
+    home: Path = Path(".rollstream")
+
+    def topics(self) -> Topics:
+        return Topics(self.namespace, replication=self.topic_replication)
+
+    def kafka_config(self) -> dict[str, Any]:
+        return kafka_client_config(self)
+
+
+def kafka_client_config(s: CommonSettings) -> dict[str, Any]:
+    """librdkafka connection settings (bootstrap, security); callers add their own."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": s.kafka_bootstrap,
+        "security.protocol": s.kafka_security_protocol,
+    }
+    if s.kafka_sasl_mechanism:
+        conf["sasl.mechanism"] = s.kafka_sasl_mechanism
+    if s.kafka_sasl_username:
+        conf["sasl.username"] = s.kafka_sasl_username
+    if s.kafka_sasl_password is not None:
+        conf["sasl.password"] = s.kafka_sasl_password.get_secret_value()
+    if s.kafka_ssl_ca_location:
+        conf["ssl.ca.location"] = s.kafka_ssl_ca_location
+    return conf
