@@ -1,0 +1,272 @@
+"""The reference inference server, started for real with uvicorn on a free port and called over
+HTTP, raw and through the backend adapter (kind="reference" and kind="vllm")."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import uvicorn
+from safetensors.torch import save_file
+
+from rollstream.producers.backends import (
+    BackendRejected,
+    BackendUnavailable,
+    CompletionBackend,
+)
+from rollstream.producers.model_server import ModelServerSettings, create_app
+from rollstream.producers.tinymodel import (
+    apply_state_dict,
+    load_model,
+    load_state_dict,
+    make_tiny_model,
+)
+
+PROMPT = [11, 42, 7, 300, 5, 99]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    model_path: Path
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    threads = torch.get_num_threads()
+    tmp = tmp_path_factory.mktemp("model_server")
+    model_path = make_tiny_model(tmp / "tiny", seed=0, hidden=64)
+    port = _free_port()
+    settings = ModelServerSettings(
+        model_path=model_path, model_port=port, model_create=False, home=tmp / "home"
+    )
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="error")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield Server(f"http://127.0.0.1:{port}", model_path, tmp)
+    srv.should_exit = True
+    thread.join(timeout=30)
+    torch.set_num_threads(threads)  # the server set 1 for the whole process
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+async def _complete(url: str, **kwargs):  # type: ignore[no-untyped-def]
+    async with CompletionBackend(url, "ref", kind=kwargs.pop("kind", "reference")) as b:
+        return await b.complete(kwargs.pop("prompt", PROMPT), **kwargs)
+
+
+def _post(url: str, body: dict) -> httpx.Response:  # type: ignore[type-arg]
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+# --------------------------------------------------------------------------- API shape
+
+
+def test_health_and_models(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    load = httpx.get(f"{server.url}/v1/load").json()
+    assert (load["queued"], load["running"], load["paused"]) == (0, 0, False)
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert card["id"] == "rollstream-tiny" and card["object"] == "model"
+    assert card["max_model_len"] == 2048 and isinstance(card["policy_version"], int)
+
+
+def test_completion_has_vllms_token_id_fields(server: Server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 6, "seed": 1, "logprobs": 2, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    data = _post(server.url, body).json()
+    assert data["object"] == "text_completion" and data["model"] == "rollstream-tiny"
+    choice = data["choices"][0]
+    assert choice["prompt_token_ids"] == PROMPT
+    ids, lp = choice["token_ids"], choice["logprobs"]
+    assert len(ids) == 6 and choice["finish_reason"] == "length"
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert len(lp["token_logprobs"]) == 6 and len(lp["text_offset"]) == 6
+    for step, token, value in zip(
+        lp["top_logprobs"], lp["tokens"], lp["token_logprobs"], strict=True
+    ):
+        assert step[token] == value and 2 <= len(step) <= 3  # top-2 plus the sampled token
+    assert data["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+
+
+def test_text_prompt_and_fields_off_by_default(server: Server) -> None:
+    data = _post(server.url, {"prompt": "The agent reads", "max_tokens": 3, "seed": 2}).json()
+    choice = data["choices"][0]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
+    assert choice["logprobs"] is None and isinstance(choice["text"], str)
+    ids = _post(server.url, {"prompt": "The agent reads", "max_tokens": 1,
+                             "return_token_ids": True}).json()["choices"][0]  # fmt: skip
+    _, tok = load_model(server.model_path)
+    assert ids["prompt_token_ids"] == tok.encode("The agent reads")
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"prompt": [1, 100_000], "max_tokens": 2}, 400),
+        ({"prompt": PROMPT, "max_tokens": 2048}, 400),
+        ({"prompt": PROMPT, "max_tokens": 2, "n": 2}, 400),
+        ({"prompt": PROMPT, "max_tokens": 2, "stream": True}, 400),
+        ({"prompt": PROMPT, "max_tokens": 2, "top_p": 0}, 400),
+        ({"prompt": PROMPT, "max_tokens": "2"}, 400),
+        ({"prompt": [], "max_tokens": 2}, 400),
+        ({"prompt": PROMPT, "model": "gpt-9"}, 404),
+    ],
+)
+def test_bad_requests_get_openai_errors(server: Server, body: dict, status: int) -> None:  # type: ignore[type-arg]
+    r = _post(server.url, body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"]
+
+
+# --------------------------------------------------------------------------- the adapter
+
+
+def test_backend_completion_arrays(server: Server) -> None:
+    c = run(_complete(server.url, max_tokens=12, seed=3, temperature=0.8))
+    assert c.token_ids.dtype == np.uint32 and c.logprobs.dtype == np.float32
+    assert 1 <= len(c.token_ids) == len(c.logprobs) <= 12
+    assert (c.logprobs <= 0).all() and c.prompt_tokens == len(PROMPT)
+    assert c.finish_reason in ("stop", "length") and c.backend == "ref" and c.latency_s > 0
+
+
+def test_determinism_alone_and_concurrent(server: Server) -> None:
+    async def main() -> tuple[list, list]:  # type: ignore[type-arg]
+        async with CompletionBackend(server.url, "ref") as b:
+            one = [await b.complete(PROMPT, max_tokens=10, seed=s) for s in range(6)]
+            many = await asyncio.gather(
+                *(b.complete(PROMPT, max_tokens=10, seed=s) for s in range(6))
+            )
+            return one, list(many)
+
+    one, many = run(main())
+    for a, b in zip(one, many, strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert len({tuple(c.token_ids.tolist()) for c in one}) > 1  # seeds differ, samples differ
+
+
+def test_logprobs_match_a_plain_forward_pass(server: Server) -> None:
+    c = run(_complete(server.url, max_tokens=16, seed=4, temperature=0.7, top_p=0.9))
+    model, _ = load_model(server.model_path)
+    info = httpx.get(f"{server.url}/v1/policy_version").json()  # the weights served right now
+    apply_state_dict(model, load_state_dict(info["weights_path"]))
+    ids = PROMPT + c.token_ids.tolist()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(PROMPT) - 1 : -1].float()  # (N, V)
+    expected = F.log_softmax(logits / 0.7, dim=-1).gather(
+        -1, torch.tensor(ids[len(PROMPT) :])[:, None]
+    )
+    np.testing.assert_allclose(c.logprobs, expected.squeeze(-1).numpy(), atol=1e-4)
+
+
+def test_reload_weights_changes_version_and_outputs(server: Server) -> None:
+    model, _ = load_model(server.model_path)
+    path = server.tmp / "step1.safetensors"
+    torch.manual_seed(1)
+    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}, str(path))
+
+    async def main() -> None:
+        async with CompletionBackend(server.url, "ref") as b:
+            start = await b.policy_version()
+            before = await b.complete(PROMPT, max_tokens=10, seed=11)
+            assert await b.reload_weights(str(path), start + 1) == start + 1
+            assert await b.policy_version() == start + 1
+            after = await b.complete(PROMPT, max_tokens=10, seed=11)
+            assert after.policy_version == start + 1 and before.policy_version == start
+            assert after.logprobs.tolist() != before.logprobs.tolist()
+            with pytest.raises(BackendRejected) as stale:
+                await b.reload_weights(str(path), start)
+            assert stale.value.status == 409
+            with pytest.raises(BackendRejected, match="does not exist"):
+                await b.reload_weights(str(server.tmp / "nope"), start + 2)
+            assert await b.policy_version() == start + 1
+
+    run(main())
+
+
+def test_vllm_kind_drives_the_dev_mode_routes(server: Server) -> None:
+    async def main() -> None:
+        async with CompletionBackend(server.url, "v", kind="vllm") as b:
+            version = await b.policy_version()  # GET /weight_info
+            c = await b.complete(PROMPT, max_tokens=5, seed=1)
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            new = version + 5
+            assert await b.reload_weights(str(server.model_path), new) == new
+            assert await b.policy_version() == new
+            assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": False}
+            assert (await b.complete(PROMPT, max_tokens=3, seed=1)).policy_version == new
+
+    run(main())
+
+
+def test_unreachable_backend(server: Server) -> None:
+    async def main() -> None:
+        async with CompletionBackend(f"http://127.0.0.1:{_free_port()}", "dead") as b:
+            assert await b.health() is False
+            with pytest.raises(BackendUnavailable):
+                await b.complete(PROMPT, max_tokens=2)
+        async with CompletionBackend(server.url + "/v1", "ref") as b:  # /v1 suffix accepted
+            assert await b.health() is True
+
+    run(main())
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def test_health_answers_while_generating_and_abort_ends_the_batch(server: Server) -> None:
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "seed": 1}
+            long = asyncio.create_task(http.post("/v1/completions", json=body))
+            while (await http.get("/v1/load")).json()["running"] != 1:  # until it generates
+                await asyncio.sleep(0.02)
+            assert (await http.get("/health")).status_code == 200
+            assert not long.done()
+            assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
+            choice = (await long).json()["choices"][0]
+            assert choice["finish_reason"] == "abort" and len(choice["text"]) > 0
+            assert (await http.post("/resume")).json() == {"status": "resumed"}
+
+    run(main())
+
+
+def test_pause_queues_requests_until_resume(server: Server) -> None:
+    async def main() -> None:
+        async with CompletionBackend(server.url, "ref") as b:
+            await b.pause("wait")
+            assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": True}
+            queued = asyncio.create_task(b.complete(PROMPT, max_tokens=3, seed=1))
+            await asyncio.sleep(0.3)
+            assert not queued.done()
+            await b.resume()
+            assert len((await queued).token_ids) >= 1
+
+    run(main())
