@@ -1,1 +1,41 @@
-"""rollstream.producers"""
+"""rollstream.producers: everything that writes rollout events. The harness SDK:
+
+from rollstream.producers import Recorder, RecorderSettings
+with Recorder(RecorderSettings()) as recorder:
+    with recorder.rollout(task_id="t", group_id="g") as r:
+        r.llm_call(prompt_ids, completion_ids, logprobs)
+"""
+
+from .context import ContextError, ContextMatch, ContextTrie, ProducerError
+from .delivery import Delivery, DeliveryStats
+from .recorder import (
+    Recorder,
+    RecorderError,
+    RecorderSettings,
+    RecorderUsageError,
+    RolloutHandle,
+    kafka_producer_options,
+)
+from .spool import Spool, SpoolError
+from .transport import DeliveryError, KafkaTransport, MemoryTransport, Transport
+
+__all__ = [
+    "ContextError",
+    "ContextMatch",
+    "ContextTrie",
+    "Delivery",
+    "DeliveryError",
+    "DeliveryStats",
+    "KafkaTransport",
+    "MemoryTransport",
+    "ProducerError",
+    "Recorder",
+    "RecorderError",
+    "RecorderSettings",
+    "RecorderUsageError",
+    "RolloutHandle",
+    "Spool",
+    "SpoolError",
+    "Transport",
+    "kafka_producer_options",
+]

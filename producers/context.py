@@ -1,0 +1,306 @@
+"""Per-rollout context trie: turns a full prompt into an LlmCall delta (pure; no I/O).
+
+A harness (or the recording proxy) sees each model call's FULL prompt token IDs. On the wire an
+LlmCall carries only ``parent_call_id``, ``prefix_len`` and ``prompt_delta``, where
+
+    full prompt = (parent prompt + parent completion)[:prefix_len] + prompt_delta
+
+so an append-only conversation costs its unique tokens, and an edited context is a rewind
+(``prefix_len`` shorter than the parent's full sequence).
+
+The parent is the earlier call whose full sequence (prompt + completion) shares the LONGEST
+prefix with the new prompt; ties go to the most recent call. No shared token means no parent.
+
+Structure: a radix tree (compressed trie) over the calls' full sequences. Each edge holds a
+numpy slice of token IDs; children are found by their first token; each node knows the most
+recent call in its subtree. A lookup walks the new prompt down the tree comparing whole edge
+slices with numpy (first mismatch via ``np.flatnonzero``), so it costs one vectorised compare
+over the prompt plus one Python step per branch point, never a per-token Python loop. Edges
+store only the tokens a call added (copies of the new suffix), so memory is O(unique tokens),
+not O(calls x context). Fast path for the common case (the prompt extends the previous call's
+full sequence): the trie keeps that sequence in one growable buffer, checks the prompt against
+it with a single ``np.array_equal`` and resumes the walk at the previous call's node, so an
+append-only turn costs one compare plus O(new tokens), whatever the depth.
+
+    ProducerError                    root of rollstream.producers (defined here, the lowest module)
+    └── ContextError                 a call id reused, or an unknown call asked for (ValueError)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ContextError", "ContextMatch", "ContextTrie", "ProducerError", "common_prefix"]
+
+_U32 = np.dtype("<u4")
+_PROBE = 4096  # compare a short head first so an early mismatch in a long edge stays cheap
+
+Tokens = npt.NDArray[Any]
+
+
+class ProducerError(Exception):
+    """Root of every error raised by rollstream.producers."""
+
+
+class ContextError(ProducerError, ValueError):
+    """A call id was recorded twice, or a call id the trie does not know was asked for."""
+
+
+class ContextMatch(NamedTuple):
+    """Where a new prompt attaches: ``prompt == parent_sequence[:prefix_len] + prompt_delta``."""
+
+    parent_call_id: str | None
+    prefix_len: int
+    prompt_delta: Tokens
+
+
+def _tokens(value: Any) -> Tokens:
+    if isinstance(value, np.ndarray) and value.dtype == _U32 and value.ndim == 1:
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        return np.frombuffer(value, dtype=_U32)
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ContextError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "ui":
+        raise ContextError(f"token ids must be integers, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=_U32)
+
+
+def common_prefix(a: Tokens, b: Tokens) -> int:
+    """Length of the common prefix of two token arrays (vectorised)."""
+    n = min(len(a), len(b))
+    start = 0
+    for stop in (min(n, _PROBE), n):
+        if stop <= start:
+            continue
+        neq = np.flatnonzero(a[start:stop] != b[start:stop])
+        if neq.size:
+            return start + int(neq[0])
+        start = stop
+    return n
+
+
+class _Node:
+    __slots__ = ("children", "depth", "epoch", "label", "latest_id", "parent")
+
+    def __init__(self, label: Tokens, parent: _Node | None, depth: int) -> None:
+        self.label = label  # tokens on the edge from parent to this node
+        self.parent = parent
+        self.depth = depth  # tokens from the root to the END of this node's label
+        self.children: dict[int, _Node] = {}
+        self.latest_id: str | None = None  # most recent call below (stale while on the spine)
+        self.epoch = -1  # == trie epoch: on the spine, the path of the most recent call
+
+
+# A point in the tree: ``offset`` tokens into the edge leading to ``node`` (offset ==
+# len(node.label) when the point is the node itself). Plain tuples: this is the hot path.
+_Cursor = tuple[_Node, int]
+
+
+class ContextTrie:
+    """The calls of one rollout, as a radix tree over their full token sequences.
+
+    ``add(call_id, prompt_ids, completion_ids)`` returns the ContextMatch to put on the wire and
+    records the call; ``match(prompt_ids)`` only looks. ``sequence(call_id)`` rebuilds a call's
+    full sequence (prompt + completion). Not thread-safe: one trie per rollout, guarded by the
+    rollout's lock.
+    """
+
+    def __init__(self) -> None:
+        self._root = _Node(np.zeros(0, _U32), None, 0)
+        self._ends: dict[str, _Node] = {}
+        self._epoch = 0
+        self._last_id: str | None = None
+        self._last: _Node | None = None  # end node of the most recent call
+        self._buf = np.zeros(0, _U32)  # its full sequence in [:_buf_len], room to grow
+        self._buf_len = 0
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self._ends
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ends)
+
+    # --- lookup ------------------------------------------------------------------------------
+
+    def _walk(self, seq: Tokens, start: _Cursor, pos: int) -> tuple[_Cursor, int]:
+        """Follow ``seq[pos:]`` from ``start`` as far as it matches; returns (cursor, pos)."""
+        node, offset = start
+        n = len(seq)
+        if offset < len(node.label):  # resume mid-edge
+            k = common_prefix(node.label[offset:], seq[pos:])
+            pos += k
+            offset += k
+            if offset < len(node.label):
+                return (node, offset), pos
+        while pos < n:
+            child = node.children.get(int(seq[pos]))
+            if child is None:
+                break
+            k = common_prefix(child.label, seq[pos:])
+            pos += k
+            if k < len(child.label):
+                return (child, k), pos
+            node = child
+        return (node, len(node.label)), pos
+
+    def _extends_last(self, prompt: Tokens) -> bool:
+        n = self._buf_len
+        return (
+            self._last is not None
+            and 0 < n <= len(prompt)
+            and bool((prompt[:n] == self._buf[:n]).all())
+        )
+
+    def _locate(self, prompt: Tokens) -> tuple[_Cursor, int, bool]:
+        if self._extends_last(prompt):
+            assert self._last is not None
+            start = (self._last, len(self._last.label))
+            return (*self._walk(prompt, start, self._buf_len), True)
+        return (*self._walk(prompt, (self._root, 0), 0), False)
+
+    def _remember(self, prompt: Tokens, completion: Tokens, extends: bool, end: _Node) -> None:
+        """Keep the new call's full sequence in the buffer (append when it extends the last)."""
+        start = self._buf_len if extends else 0
+        new = len(prompt) - start + len(completion)
+        total = start + new
+        if total > len(self._buf):
+            grown = np.empty(max(total, len(self._buf) * 3 // 2, 1024), _U32)
+            grown[:start] = self._buf[:start]
+            self._buf = grown
+        self._buf[start : len(prompt)] = prompt[start:]
+        self._buf[len(prompt) : total] = completion
+        self._buf_len = total
+        self._last = end
+
+    def match(self, prompt_ids: Any) -> ContextMatch:
+        """The parent call and shared prefix for ``prompt_ids``, without recording anything."""
+        prompt = _tokens(prompt_ids)
+        cursor, pos, _ = self._locate(prompt)
+        return self._result(cursor, pos, prompt)
+
+    def _result(self, cursor: _Cursor, pos: int, prompt: Tokens) -> ContextMatch:
+        if pos == 0:
+            return ContextMatch(None, 0, prompt)
+        # every call below the cursor shares exactly ``pos`` tokens; take the most recent one
+        node = cursor[0]
+        latest = self._last_id if node.epoch == self._epoch else node.latest_id
+        return ContextMatch(latest, pos, prompt[pos:])
+
+    # --- insert ------------------------------------------------------------------------------
+
+    def add(self, call_id: str, prompt_ids: Any, completion_ids: Any = ()) -> ContextMatch:
+        """Record a call; returns where its prompt attaches (computed before recording it)."""
+        if call_id in self._ends:
+            raise ContextError(f"call {call_id!r} is already recorded in this rollout")
+        prompt = _tokens(prompt_ids)
+        completion = _tokens(completion_ids)
+        cursor, pos, extends = self._locate(prompt)
+        result = self._result(cursor, pos, prompt)
+        fresh = len(completion) > 0  # concatenate makes a new array: no need to copy it again
+        rest = np.concatenate((prompt[pos:], completion)) if fresh else prompt[pos:]
+        if len(rest):
+            cursor, used = self._walk(rest, cursor, 0)
+            if used:
+                rest, fresh = rest[used:], False
+        end = self._split(cursor)
+        if len(rest):
+            leaf = _Node(rest if fresh else rest.copy(), end, end.depth + len(rest))
+            end.children[int(rest[0])] = leaf
+            end = leaf
+        self._ends[call_id] = end
+        self._mark_spine(end, extends)
+        self._last_id = call_id
+        self._remember(prompt, completion, extends, end)
+        return result
+
+    def add_delta(
+        self,
+        call_id: str,
+        parent_call_id: str | None,
+        prefix_len: int,
+        prompt_delta: Any,
+        completion_ids: Any = (),
+    ) -> Tokens:
+        """Record a call given as a wire delta (replay, a proxy rebuilding its state); returns
+        the call's full prompt."""
+        prompt = self.full_prompt(parent_call_id, prefix_len, prompt_delta)
+        self.add(call_id, prompt, completion_ids)
+        return prompt
+
+    def _mark_spine(self, end: _Node, extends: bool) -> None:
+        """Keep "most recent call below each node" right without touching every ancestor on
+        every call: nodes on the spine (root -> most recent call) are stamped with the current
+        epoch and answer ``_last_id``. An appended call only stamps its new nodes; a call that
+        leaves the spine writes the old spine's answer down and stamps a new one (O(depth))."""
+        node: _Node | None = end
+        if extends:  # end lies below the previous call's node: the spine just grows
+            while node is not None and node.epoch != self._epoch:
+                node.epoch = self._epoch
+                node = node.parent
+            return
+        old: _Node | None = self._last
+        while old is not None and old.epoch == self._epoch:
+            old.latest_id = self._last_id
+            old = old.parent
+        self._epoch += 1
+        while node is not None:
+            node.epoch = self._epoch
+            node = node.parent
+
+    def _split(self, cursor: _Cursor) -> _Node:
+        """Make the cursor's point a node (split the edge when it is mid-edge)."""
+        node, offset = cursor
+        if offset == len(node.label):
+            return node
+        parent = node.parent
+        assert parent is not None  # the root's label is empty, so a cursor mid-edge has a parent
+        mid = _Node(node.label[:offset], parent, node.depth - len(node.label) + offset)
+        mid.latest_id, mid.epoch = node.latest_id, node.epoch
+        parent.children[int(node.label[0])] = mid
+        node.label = node.label[offset:]
+        node.parent = mid
+        mid.children[int(node.label[0])] = node
+        return mid
+
+    # --- reconstruction ----------------------------------------------------------------------
+
+    def sequence(self, call_id: str) -> Tokens:
+        """A recorded call's full sequence: prompt + completion."""
+        node: _Node | None = self._ends.get(call_id)
+        if node is None:
+            raise ContextError(f"unknown call {call_id!r}")
+        parts: list[Tokens] = []
+        while node is not None:
+            parts.append(node.label)
+            node = node.parent
+        parts.reverse()
+        return np.concatenate(parts) if parts else np.zeros(0, _U32)
+
+    def sequence_len(self, call_id: str) -> int:
+        node = self._ends.get(call_id)
+        if node is None:
+            raise ContextError(f"unknown call {call_id!r}")
+        return node.depth
+
+    def full_prompt(self, parent_call_id: str | None, prefix_len: int, prompt_delta: Any) -> Tokens:
+        """Inverse of ``match``: ``(parent sequence)[:prefix_len] + prompt_delta``."""
+        delta = _tokens(prompt_delta)
+        if parent_call_id is None:
+            if prefix_len:
+                raise ContextError(f"prefix_len {prefix_len} without a parent call")
+            return delta
+        parent = self.sequence(parent_call_id)
+        if not 0 <= prefix_len <= len(parent):
+            raise ContextError(
+                f"prefix_len {prefix_len} outside parent {parent_call_id!r} ({len(parent)} tokens)"
+            )
+        return np.concatenate((parent[:prefix_len], delta))

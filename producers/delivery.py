@@ -1,0 +1,490 @@
+"""Delivery: gets encoded events from inside a harness to Kafka, exactly once and in order per
+key, without ever raising into or blocking the harness.
+
+Design (one background thread per ``Delivery`` owns every decision after ``submit``):
+
+    harness threads --submit--> [bounded in-memory queue] --thread--> Transport (librdkafka)
+              \\ (queue full, spool mode)                     \\ failed / still held at close
+               `--------> [local spool, append-only] <---------'   (prepended, in front)
+                                    `--thread (when Kafka is back), in order--> Transport
+
+* ``submit`` takes a lock, appends to the queue and returns: never blocks, never raises. When
+  the queue is full, or while the spool is in use, the event is appended to the spool instead
+  (one write, no fsync unless the policy says so); once anything is spooled, every later event
+  goes behind it, so order per key (per rollout) always holds.
+* The client is an idempotent librdkafka producer (``enable.idempotence``, ``acks=all``): its
+  own retries never duplicate and keep order per partition. ``message.timeout.ms`` is generous
+  (5 min) so a broker restart is covered by librdkafka alone.
+* Kafka is judged unreachable ("degraded") when a delivery fails, when nothing was acknowledged
+  for ``degrade_after_s`` while messages wait, or when a leftover spool needs draining. Then the
+  thread stops handing events to the client, and new events go to the spool. Messages already
+  in the client stay there (librdkafka keeps retrying them); once all of them are settled, the
+  failed ones and the events still in memory are PREPENDED to the spool: they are older than
+  everything spooled since. A metadata probe runs every ``probe_interval_s``; when it answers,
+  the spool is drained in order (acked record by record, so a crash mid-drain re-sends nothing
+  already acknowledged beyond the last persisted ack offset) and events go direct again.
+* Only events whose delivery failed or that never reached the client are spooled; an
+  acknowledged event is never re-sent. A failed delivery may still have been written by the
+  broker (it died before answering, or the message was purged in flight at exit); such records
+  are flagged *uncertain* and, before they are re-sent, the topic is read from their timestamp
+  on (``Transport.delivered``) and those already there are skipped. Consumers thus see every
+  event exactly once without deduplicating.
+* ``close(timeout)`` (also run by ``atexit``) delivers what it can until the deadline, then
+  purges the client and spools what is left, so the next process (same spool slot) sends it
+  first. A process killed with SIGKILL loses only what was in memory (queue, client buffers).
+* Counters (``DeliveryStats``): sent, spooled, failed (rejected for good, e.g. too large, logged),
+  dropped (neither sent nor spooled: spool unusable, or submitted after close), deduplicated.
+* The transport is a small protocol at the I/O edge: ``KafkaTransport`` (confluent-kafka) and
+  ``MemoryTransport`` (in memory, with fault injection, for unit tests).
+* Without a spool (``spool=None``) nothing degrades: the client buffers and retries until
+  ``message.timeout.ms``; what it cannot take, and what fails, is dropped and counted.
+
+Limits, stated plainly: the "behind it" rule is applied to all keys at once (simpler, and an
+outage spools everything anyway). After a hard crash, records acked since the last persisted
+ack offset (``spool_fsync`` policy) are sent again. Checking uncertain records needs read access
+to the topic; without it they are re-sent (at-least-once, logged). If librdkafka times a message
+out and a later one of the same partition still succeeds, the re-sent one lands after it; with
+a 5-minute timeout and the thread holding new events back once degraded, this needs an outage
+that ends inside a window of milliseconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from .spool import Spool, SpoolError, SpoolItem, SpoolRecord, record_digest
+from .transport import DeliveryError, KafkaTransport, MemoryTransport, Transport
+
+__all__ = [
+    "Delivery",
+    "DeliveryError",
+    "DeliveryStats",
+    "KafkaTransport",
+    "MemoryTransport",
+    "Transport",
+]
+
+log = logging.getLogger("rollstream.producers")
+
+HEALTHY, DEGRADED, CLOSED = "healthy", "degraded", "closed"
+_BATCH = 2000  # messages handed to the client per step before serving delivery reports
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryStats:
+    submitted: int = 0  # events given to submit()
+    sent: int = 0  # acknowledged by Kafka (acks=all)
+    spooled: int = 0  # writes to the local spool (overflow, outage, failed deliveries moved back)
+    failed: int = 0  # rejected by Kafka for good (e.g. too large): logged, not retried
+    dropped: int = 0  # neither sent nor spooled (spool unusable, or submitted after close)
+    deduplicated: int = 0  # uncertain spooled events found already in Kafka, not re-sent
+    queued: int = 0  # in memory now
+    in_flight: int = 0  # handed to the client, not yet acknowledged
+    spool_backlog: int = 0  # in the spool now
+    state: str = HEALTHY
+
+
+@dataclass(slots=True)
+class _Inflight:
+    item: SpoolItem
+    record: SpoolRecord | None  # where it came from in the spool, acked once settled
+    t: float
+
+
+class Delivery:
+    """Background delivery of (topic, key, value) records through a ``Transport``."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        spool: Spool | None,
+        probe_topic: str,
+        queue_size: int = 10_000,
+        degrade_after_s: float = 10.0,
+        probe_interval_s: float = 1.0,
+        close_timeout_s: float = 30.0,
+    ) -> None:
+        self.transport = transport
+        self.spool = spool
+        self.probe_topic = probe_topic
+        self.queue_size = queue_size
+        self.degrade_after_s = degrade_after_s
+        self.probe_interval_s = probe_interval_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._deadline = float("inf")
+        self._queue: deque[SpoolItem] = deque()
+        self._to_spool = bool(spool is not None and spool.backlog)
+        self._state = DEGRADED if self._to_spool else HEALTHY
+        self._next_probe = 0.0
+        self._pending: dict[int, _Inflight] = {}
+        self._token = 0
+        self._oldest = 0
+        self._failures: list[_Inflight] = []
+        self._known: set[bytes] = set()  # uncertain spooled records found already in Kafka
+        self._last_ok = time.monotonic()
+        self._last_drop_log = 0.0
+        self._closed = False
+        self._warned_closed = False
+        self._submitted = self._sent = self._spooled = 0
+        self._failed = self._dropped = self._deduplicated = 0
+        self._acked = False  # a delivery report said OK since the last round
+        self._now = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="rollstream-delivery", daemon=True)
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self), close_timeout_s)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    # --- harness side -----------------------------------------------------------------------
+
+    def submit(self, topic: str, key: bytes, value: bytes, timestamp_ms: int | None = None) -> None:
+        """Hand over one record. Never blocks on the network, never raises."""
+        item = SpoolItem(topic, key, value, timestamp_ms or int(time.time() * 1000))
+        with self._lock:
+            self._submitted += 1
+            if self._closed:
+                self._dropped += 1
+                if not self._warned_closed:
+                    self._warned_closed = True
+                    log.warning("event submitted after the recorder was closed: dropped")
+                return
+            if not self._to_spool:
+                if len(self._queue) < self.queue_size:
+                    self._queue.append(item)
+                    if len(self._queue) == 1:
+                        self._wake.set()
+                    return
+                self._to_spool = True
+                log.warning(
+                    "delivery queue full (%d events): spooling new events to %s",
+                    self.queue_size,
+                    self._where(),
+                )
+            self._spool_locked([item], front=False)
+
+    def _spool_locked(self, items: list[SpoolItem], *, front: bool) -> bool:
+        if self.spool is None or self.spool.closed:
+            self._dropped += len(items)
+            return False
+        try:
+            if front:
+                self.spool.prepend(items)
+            else:
+                self.spool.extend(items)
+        except (SpoolError, OSError) as exc:
+            self._dropped += len(items)
+            log.error("spool write failed, %d events dropped: %s", len(items), exc)
+            return False
+        self._spooled += len(items)
+        return True
+
+    def _where(self) -> str:
+        return str(self.spool.path) if self.spool is not None else "nowhere (spool disabled)"
+
+    def _backlog(self) -> int:
+        return self.spool.backlog if self.spool is not None and not self.spool.closed else 0
+
+    def _unread(self) -> int:
+        return self.spool.unread if self.spool is not None and not self.spool.closed else 0
+
+    @property
+    def state(self) -> str:
+        return CLOSED if self._closed else self._state
+
+    @property
+    def stats(self) -> DeliveryStats:
+        return DeliveryStats(
+            submitted=self._submitted,
+            sent=self._sent,
+            spooled=self._spooled,
+            failed=self._failed,
+            dropped=self._dropped,
+            deduplicated=self._deduplicated,
+            queued=len(self._queue),
+            in_flight=len(self._pending),
+            spool_backlog=self._backlog(),
+            state=self.state,
+        )
+
+    def idle(self) -> bool:
+        """Nothing waits: queue empty, nothing in flight, spool empty."""
+        spooled = self._backlog()
+        return not self._queue and not self._pending and not self._failures and not spooled
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait (at most ``timeout``) until everything submitted so far is acknowledged."""
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        while not self.idle():
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float = 30.0) -> DeliveryStats:
+        """Deliver what can be delivered within ``timeout``, spool the rest, stop the thread."""
+        if not self._closing.is_set():
+            self._deadline = time.monotonic() + timeout
+            self._closing.set()
+            self._wake.set()
+            atexit.unregister(self._at_exit)
+        self._thread.join(timeout + 30.0)
+        return self.stats
+
+    # --- delivery thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._step():
+                    break
+            except Exception:
+                log.exception("delivery thread error (continuing)")
+                time.sleep(0.05)
+        try:
+            self._shutdown()
+        except Exception:
+            log.exception("delivery shutdown error")
+
+    def _step(self) -> bool:
+        """One round; True when the thread should stop."""
+        self.transport.poll(0)
+        now = self._now = time.monotonic()
+        if self._acked:
+            self._acked = False
+            self._last_ok = now
+        closing = self._closing.is_set()
+        if self.spool is None:  # nowhere to fall back to: the client keeps what it can
+            self._drop_failures()
+        elif self._state == HEALTHY and (self._failures or self._stalled(now)):
+            reason = (
+                f"delivery failed: {self._failures[0].item.topic}"
+                if self._failures
+                else f"nothing acknowledged for {self.degrade_after_s:g}s"
+            )
+            self._degrade(reason)
+        moved = 0
+        if self._state == DEGRADED:
+            self._settle()
+            if not closing and not self._pending and now >= self._next_probe:
+                self._probe_and_recover()
+        if self._state == HEALTHY:
+            moved = self._pump()
+        if self.spool is not None:
+            self.spool.sync_if_due()
+        if closing and (
+            now >= self._deadline or self.idle() or (self._state == DEGRADED and not self._pending)
+        ):
+            return True
+        if not moved:
+            if self._pending:
+                self.transport.poll(0.005)
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        return False
+
+    def _stalled(self, now: float) -> bool:
+        if not self._pending or now - self._last_ok < self.degrade_after_s:
+            return False
+        while self._oldest not in self._pending and self._oldest < self._token:
+            self._oldest += 1
+        oldest = self._pending.get(self._oldest)
+        return oldest is not None and now - oldest.t >= self.degrade_after_s
+
+    def _drop_failures(self) -> None:
+        if not self._failures:
+            return
+        n, self._failures = len(self._failures), []
+        self._dropped += n
+        now = time.monotonic()
+        if now - self._last_drop_log >= 10.0:
+            self._last_drop_log = now
+            log.error("%d events dropped: Kafka did not take them and the spool is disabled", n)
+
+    def _degrade(self, reason: str) -> None:
+        with self._lock:
+            self._state = DEGRADED
+            self._to_spool = True
+        self._next_probe = time.monotonic() + self.probe_interval_s
+        log.warning(
+            "Kafka unreachable (%s): spooling events to %s until it answers again "
+            "(%d in flight stay with the client)",
+            reason,
+            self._where(),
+            len(self._pending),
+        )
+
+    def _settle(self) -> None:
+        """When the client holds nothing more: failed deliveries, then events still in memory,
+        go in front of the spool (they are older than everything spooled since)."""
+        if self._pending or not (self._failures or self._queue):
+            return
+        failures = self._failures
+        with self._lock:  # written first, cleared after: flush() never sees a false "idle"
+            self._spool_locked([f.item for f in failures] + list(self._queue), front=True)
+            self._queue.clear()
+            self._failures = []
+        if self.spool is not None and not self.spool.closed:
+            for f in failures:
+                if f.record is not None:
+                    self.spool.ack(f.record)
+
+    def _probe_and_recover(self) -> None:
+        ok = self.transport.reachable(self.probe_topic, min(self.probe_interval_s, 5.0) + 1.0)
+        self._next_probe = time.monotonic() + self.probe_interval_s
+        if not ok:
+            return
+        if self.spool is not None and self._unread():
+            for topic, (since, digests) in self.spool.uncertain().items():
+                found = self.transport.delivered(topic, since, digests, 60.0)
+                if found is None:
+                    log.warning(
+                        "could not check %d uncertain spooled events of %s: re-sending them "
+                        "(duplicates possible)",
+                        len(digests),
+                        topic,
+                    )
+                    continue
+                self._known |= found
+        backlog = self._backlog()
+        self._state = HEALTHY
+        self._last_ok = time.monotonic()
+        log.warning("Kafka reachable again: delivering %d spooled events in order", backlog)
+
+    def _pump(self) -> int:
+        moved = 0
+        while moved < _BATCH:
+            if self._queue:
+                # peek, then pop once handed over: never out of both the queue and _pending
+                # (flush() would see "idle" in between); only this thread pops
+                if not self._produce(self._queue[0], None):
+                    break
+                self._queue.popleft()
+                moved += 1
+                continue
+            if self.spool is not None and self._unread():
+                records = self.spool.read(max_records=min(500, _BATCH - moved))
+                for i, rec in enumerate(records):
+                    if rec.uncertain and self._known:
+                        digest = record_digest(rec.topic, rec.key, rec.value)
+                        if digest in self._known:
+                            self._known.discard(digest)
+                            self.spool.ack(rec)
+                            self._deduplicated += 1
+                            continue
+                    if not self._produce(rec.item(), rec):
+                        self.spool.rewind(rec)
+                        return moved + i
+                moved += len(records)
+                continue
+            with self._lock:
+                if self._to_spool and not self._queue and not self._unread():
+                    self._to_spool = False
+                    self._known.clear()
+                    log.info("spool drained: events go straight to Kafka again")
+            break
+        return moved
+
+    def _produce(self, item: SpoolItem, record: SpoolRecord | None) -> bool:
+        """Hand one message to the client; False when its buffer is full (try again later)."""
+        token = self._token
+        self._token += 1
+        entry = _Inflight(item, record, self._now)
+        self._pending[token] = entry
+        try:
+            self.transport.produce(
+                item.topic,
+                item.key,
+                item.value,
+                functools.partial(self._on_delivery, token),
+                timestamp_ms=item.ts_ms,
+            )
+        except BufferError:
+            del self._pending[token]
+            self.transport.poll(0.001)
+            return False
+        except Exception as exc:  # rejected outright (bad argument, too large): for good
+            self._pending.pop(token, None)
+            self._reject(entry, f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _on_delivery(self, token: int, err: DeliveryError | None) -> None:
+        entry = self._pending.get(token)
+        if entry is None:
+            return
+        try:
+            self._settle_one(entry, err)
+        finally:
+            del self._pending[token]  # after it is counted or queued for the spool
+
+    def _settle_one(self, entry: _Inflight, err: DeliveryError | None) -> None:
+        if err is None:
+            self._sent += 1
+            self._acked = True
+            if entry.record is not None and self.spool is not None:
+                self.spool.ack(entry.record)
+        elif err.permanent:
+            self._reject(entry, f"{err.code}: {err.message}")
+        else:
+            entry.item = SpoolItem(
+                entry.item.topic, entry.item.key, entry.item.value, entry.item.ts_ms, uncertain=True
+            )
+            self._failures.append(entry)
+
+    def _reject(self, entry: _Inflight, reason: str) -> None:
+        self._failed += 1
+        log.error(
+            "Kafka rejected an event for good (topic %s, key %r, %d bytes): %s",
+            entry.item.topic,
+            entry.item.key[:64],
+            len(entry.item.value),
+            reason,
+        )
+        if entry.record is not None and self.spool is not None:
+            self.spool.ack(entry.record)
+
+    def _shutdown(self) -> None:
+        """Closing: wait for the client until the deadline, purge it, spool what is left."""
+        with self._lock:
+            self._to_spool = True  # from now on new events go behind everything spooled
+        remaining = max(0.0, self._deadline - time.monotonic())
+        if self._pending:
+            self.transport.flush(remaining)
+        if self._pending:
+            self.transport.purge()
+            until = time.monotonic() + 10.0
+            while self._pending and time.monotonic() < until:
+                self.transport.poll(0.05)
+            if self._pending:  # the client never answered: treat them as failed (uncertain)
+                for entry in list(self._pending.values()):
+                    self._settle_one(entry, DeliveryError("_UNANSWERED", "no report after purge"))
+                self._pending.clear()
+        self._settle()
+        with self._lock:
+            self._closed = True
+        if self.spool is not None:
+            backlog = self.spool.backlog
+            self.spool.close()
+            if backlog:
+                log.warning(
+                    "closed with %d events spooled in %s: the next recorder sends them",
+                    backlog,
+                    self.spool.path,
+                )
+        self.transport.close()
+
+
+def _close_at_exit(ref: weakref.ref[Delivery], timeout: float) -> None:
+    delivery = ref()
+    if delivery is not None and not delivery._closing.is_set():
+        delivery.close(timeout)

@@ -1,0 +1,469 @@
+"""The harness SDK: record a rollout's events from inside any Python agent harness.
+
+    recorder = Recorder(RecorderSettings())            # or Recorder(settings, transport=...)
+    with recorder.rollout(task_id="t1", group_id="g1") as r:
+        call = r.llm_call(prompt_ids, completion_ids, logprobs, model="m")
+        r.tool_call("search", arguments={"q": "x"}, result="...", at_call_id=call)
+        r.reward(1.0)
+    recorder.close()                                   # also runs at exit
+
+Every event is an ``Event`` envelope (ULID event_id, per-rollout gap-free seq from 0 =
+RolloutStarted, key = rollout_id) encoded with the schemas' Codec and handed to ``Delivery``
+(producers/delivery.py), which never raises into or blocks the harness. ``llm_call`` takes the
+FULL prompt; the rollout's ContextTrie turns it into parent_call_id + prefix_len + prompt_delta.
+A ``with`` block left by an exception finishes the rollout as failed (``repr`` of the error;
+KeyboardInterrupt/SystemExit: aborted) and the exception propagates. Misuse (logprobs that do
+not match the completion, an event after finish) raises RecorderUsageError at the call site.
+
+    ProducerError                    root of rollstream.producers (context.py)
+    └── RecorderError
+        └── RecorderUsageError       a call that cannot make a valid event (ValueError)
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+from pydantic import Field
+
+from rollstream.schemas import (
+    Branch,
+    BranchKind,
+    Codec,
+    CommonSettings,
+    EncodeError,
+    Event,
+    LlmCall,
+    Reward,
+    RewardKind,
+    RolloutError,
+    RolloutFinished,
+    RolloutStarted,
+    RolloutStatus,
+    ToolCall,
+    Usage,
+)
+from rollstream.schemas.events import Body
+
+from .context import ContextTrie, ProducerError
+from .delivery import Delivery, DeliveryStats
+from .spool import Spool, SpoolError
+from .transport import KafkaTransport, Transport
+
+__all__ = [
+    "Recorder",
+    "RecorderError",
+    "RecorderSettings",
+    "RecorderUsageError",
+    "RolloutHandle",
+    "kafka_producer_options",
+]
+
+log = logging.getLogger("rollstream.producers")
+
+_U32 = np.dtype("<u4")
+_F32 = np.dtype("<f4")
+
+
+class RecorderError(ProducerError):
+    """Root of the SDK's errors."""
+
+
+class RecorderUsageError(RecorderError, ValueError):
+    """The harness asked for something that cannot become a valid event."""
+
+
+class RecorderSettings(CommonSettings):
+    """Settings of the harness SDK (ROLLSTREAM_ prefix, see docs/configuration.md)."""
+
+    producer: str = Field(default_factory=lambda: f"sdk@{socket.gethostname()}")
+    queue_size: int = 10_000
+    spool_dir: Path | None = Path(".rollstream/spool")
+    spool_fsync: Literal["always", "interval", "never"] = "interval"
+    spool_fsync_interval_ms: int = 200
+    spool_segment_bytes: int = 64 << 20
+    linger_ms: float = 5.0
+    batch_size: int = 1_000_000
+    compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "none"
+    message_timeout_ms: int = 300_000
+    max_message_bytes: int = 16_000_000
+    client_buffer_kbytes: int = 262_144
+    degrade_after_s: float = 10.0
+    probe_interval_s: float = 1.0
+    close_timeout_s: float = 30.0
+    max_tool_result_chars: int = 65_536
+    producer_options: dict[str, str] = Field(default_factory=dict)
+
+
+def kafka_producer_options(settings: RecorderSettings) -> dict[str, Any]:
+    """librdkafka producer settings for the SDK (idempotent, acks=all, generous timeout)."""
+    return {
+        "enable.idempotence": True,
+        "acks": "all",
+        "max.in.flight.requests.per.connection": 5,
+        "linger.ms": settings.linger_ms,
+        "batch.size": settings.batch_size,
+        "compression.type": settings.compression,
+        "message.timeout.ms": settings.message_timeout_ms,
+        "message.max.bytes": settings.max_message_bytes,
+        "queue.buffering.max.kbytes": settings.client_buffer_kbytes,
+        "queue.buffering.max.messages": max(100_000, settings.queue_size),
+        "reconnect.backoff.ms": 100,
+        "reconnect.backoff.max.ms": 1000,
+        "retry.backoff.ms": 100,
+        "retry.backoff.max.ms": 1000,
+        "client.id": settings.producer,
+        **settings.producer_options,
+    }
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _enum(cls: type[_E], value: Any) -> _E:
+    try:
+        return cls(value)
+    except ValueError as exc:
+        choices = ", ".join(str(m.value) for m in cls)
+        raise RecorderUsageError(f"{value!r} is not a {cls.__name__} ({choices})") from exc
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_CROCKFORD_BYTES = np.frombuffer(_CROCKFORD.encode(), np.uint8)
+_POOL_IDS = 512
+
+
+class _UlidSource:
+    """ULIDs: 48-bit ms timestamp + 80 random bits, Crockford base32 (the strings python-ulid
+    makes and parses), at ~1 us each. The 10-character time prefix is re-encoded once per ms;
+    the 16 random characters come from ``os.urandom`` 512 ids at a time (5 bits per byte; 256
+    is a multiple of 32, so every character is uniform). A forked child drops the pool, so
+    parent and child never hand out the same ids."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._pool, self._pos = "", 0
+        self._ms, self._prefix = -1, ""
+
+    def __call__(self) -> str:
+        ms = time.time_ns() // 1_000_000
+        with self._lock:
+            if ms != self._ms:
+                self._ms = ms
+                self._prefix = "".join(_CROCKFORD[(ms >> s) & 31] for s in range(45, -1, -5))
+            if self._pos >= len(self._pool):
+                raw = np.frombuffer(os.urandom(16 * _POOL_IDS), np.uint8) & 31
+                self._pool, self._pos = _CROCKFORD_BYTES[raw].tobytes().decode(), 0
+            pos = self._pos
+            self._pos = pos + 16
+            return self._prefix + self._pool[pos : pos + 16]
+
+
+_ulid = _UlidSource()
+
+
+class Recorder:
+    """Records rollouts to ``Topics(namespace).events``. Thread-safe; build one per process.
+
+    ``transport`` replaces the Kafka client (``MemoryTransport`` in unit tests)."""
+
+    def __init__(
+        self,
+        settings: RecorderSettings | None = None,
+        *,
+        transport: Transport | None = None,
+        codec: Codec | None = None,
+    ) -> None:
+        self.settings = settings or RecorderSettings()
+        s = self.settings
+        self.topic = s.topics().events
+        self.codec = codec or Codec()
+        if transport is None:
+            transport = KafkaTransport(s.kafka_config(), kafka_producer_options(s))
+        spool = None
+        if s.spool_dir is not None:
+            try:
+                spool = Spool(
+                    s.spool_dir,
+                    fsync=s.spool_fsync,
+                    fsync_interval_s=s.spool_fsync_interval_ms / 1000,
+                    segment_bytes=s.spool_segment_bytes,
+                )
+            except SpoolError as exc:  # the harness still runs; outages then cost events
+                log.error("spool disabled (events are dropped while Kafka is down): %s", exc)
+        self.delivery = Delivery(
+            transport,
+            spool=spool,
+            probe_topic=self.topic,
+            queue_size=s.queue_size,
+            degrade_after_s=s.degrade_after_s,
+            probe_interval_s=s.probe_interval_s,
+            close_timeout_s=s.close_timeout_s,
+        )
+
+    def rollout(
+        self,
+        *,
+        task_id: str,
+        group_id: str,
+        rollout_id: str | None = None,
+        attempt: int = 0,
+        harness: str = "",
+        policy_version: int = 0,
+        group_size: int | None = None,
+        run_id: str = "",
+        sampling: dict[str, float] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> RolloutHandle:
+        """Start a rollout (emits RolloutStarted, seq 0). Use it as a context manager."""
+        started = RolloutStarted(
+            task_id=task_id,
+            group_id=group_id,
+            attempt=attempt,
+            harness=harness,
+            policy_version=policy_version,
+            group_size=group_size,
+            run_id=run_id,
+            sampling={k: float(v) for k, v in (sampling or {}).items()},
+            metadata={k: str(v) for k, v in (metadata or {}).items()},
+        )
+        return RolloutHandle(self, rollout_id or _ulid(), started)
+
+    def _emit(self, rollout_id: str, seq: int, body: Body) -> str:
+        event_id = _ulid()
+        ts = _now_us()
+        event = Event(event_id, rollout_id, seq, ts, body, producer=self.settings.producer)
+        try:
+            value = self.codec.encode(event)
+        except EncodeError as exc:  # a field of the wrong type: the caller's bug, said here
+            raise RecorderUsageError(f"cannot encode {type(body).__name__}: {exc}") from exc
+        self.delivery.submit(self.topic, rollout_id.encode(), value, ts // 1000)
+        return event_id
+
+    @property
+    def stats(self) -> DeliveryStats:
+        return self.delivery.stats
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything recorded so far is acknowledged (False on timeout)."""
+        return self.delivery.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> DeliveryStats:
+        """Deliver what can be delivered within ``timeout``; spool the rest for the next run."""
+        return self.delivery.close(self.settings.close_timeout_s if timeout is None else timeout)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RolloutHandle:
+    """One rollout being recorded. Methods are thread-safe; seq is assigned in call order."""
+
+    def __init__(self, recorder: Recorder, rollout_id: str, started: RolloutStarted) -> None:
+        self.recorder = recorder
+        self.rollout_id = rollout_id
+        self.task_id = started.task_id
+        self.group_id = started.group_id
+        self.policy_version = started.policy_version
+        self.context = ContextTrie()
+        self.status: RolloutStatus | None = None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._emit(started)
+
+    @property
+    def seq(self) -> int:
+        """The seq the next event will get (= events recorded so far)."""
+        return self._seq
+
+    @property
+    def finished(self) -> bool:
+        return self.status is not None
+
+    def _emit(self, body: Body) -> str:
+        # caller holds self._lock or is the constructor
+        event_id = self.recorder._emit(self.rollout_id, self._seq, body)
+        self._seq += 1
+        return event_id
+
+    def _check_open(self, what: str) -> None:
+        if self.status is not None:
+            raise RecorderUsageError(
+                f"{what} after rollout {self.rollout_id} finished ({self.status})"
+            )
+
+    def llm_call(
+        self,
+        prompt_ids: Any,
+        completion_ids: Any,
+        logprobs: Any,
+        *,
+        call_id: str | None = None,
+        finish_reason: str = "stop",
+        model: str = "",
+        backend: str = "",
+        policy_version: int | None = None,
+        latency_ms: float = 0.0,
+        usage: Usage | None = None,
+        drift_tokens: int = 0,
+    ) -> str:
+        """Record a model call from its FULL prompt token IDs; returns its call_id."""
+        completion = np.ascontiguousarray(completion_ids, dtype=_U32)
+        lps = np.ascontiguousarray(logprobs, dtype=_F32)
+        if completion.ndim != 1 or lps.shape != completion.shape:
+            raise RecorderUsageError(
+                f"logprobs {lps.shape} must match completion_ids {completion.shape}, one per token"
+            )
+        call_id = call_id or _ulid()
+        with self._lock:
+            self._check_open("llm_call")
+            match = self.context.add(call_id, prompt_ids, completion)
+            prompt_len = match.prefix_len + len(match.prompt_delta)
+            body = LlmCall(
+                call_id=call_id,
+                parent_call_id=match.parent_call_id,
+                prefix_len=match.prefix_len,
+                prompt_delta=match.prompt_delta,
+                completion_ids=completion,
+                completion_logprobs=lps,
+                finish_reason=finish_reason,
+                model=model,
+                backend=backend,
+                policy_version=self.policy_version if policy_version is None else policy_version,
+                latency_ms=float(latency_ms),
+                usage=usage or Usage(prompt_len, len(completion), 0),
+                drift_tokens=drift_tokens,
+            )
+            self._emit(body)
+        return call_id
+
+    def tool_call(
+        self,
+        name: str,
+        arguments: str | dict[str, Any] | list[Any] = "",
+        result: str = "",
+        *,
+        is_error: bool = False,
+        duration_ms: float = 0.0,
+        sandbox: str | None = None,
+        at_call_id: str | None = None,
+        tool_call_id: str | None = None,
+    ) -> str:
+        """Record a tool call (the result is cut to ``max_tool_result_chars``); returns its id."""
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False, default=str)
+        limit = self.recorder.settings.max_tool_result_chars
+        result = str(result)
+        truncated = len(result) > limit
+        tool_call_id = tool_call_id or _ulid()
+        body = ToolCall(
+            tool_call_id=tool_call_id,
+            name=name,
+            arguments=arguments,
+            result=result[:limit] if truncated else result,
+            result_truncated=truncated,
+            is_error=is_error,
+            duration_ms=float(duration_ms),
+            sandbox=sandbox,
+            at_call_id=at_call_id,
+        )
+        with self._lock:
+            self._check_open("tool_call")
+            self._emit(body)
+        return tool_call_id
+
+    def reward(
+        self,
+        value: float,
+        kind: RewardKind | str = RewardKind.FINAL,
+        *,
+        name: str = "",
+        at_call_id: str | None = None,
+        evaluator: str = "",
+    ) -> str:
+        """Record a reward (final, partial, milestone or penalty); returns the event id."""
+        body = Reward(float(value), _enum(RewardKind, kind), name, at_call_id, evaluator)
+        with self._lock:
+            self._check_open("reward")
+            return self._emit(body)
+
+    def branch(
+        self,
+        kind: BranchKind | str = BranchKind.FORK,
+        *,
+        source_call_id: str | None = None,
+        reason: str = "",
+        branch_id: str | None = None,
+    ) -> str:
+        """Record an explicit branch point (retry, rewind, fork, subagent, summarize)."""
+        branch_id = branch_id or _ulid()
+        body = Branch(branch_id, _enum(BranchKind, kind), source_call_id, reason)
+        with self._lock:
+            self._check_open("branch")
+            self._emit(body)
+        return branch_id
+
+    def error(
+        self,
+        source: str,
+        message: str,
+        *,
+        code: int = 0,
+        call_id: str | None = None,
+        backend: str = "",
+    ) -> str:
+        """Record an error the rollout survived (a failed model or tool call)."""
+        body = RolloutError(source, message, code, call_id, backend)
+        with self._lock:
+            self._check_open("error")
+            return self._emit(body)
+
+    def finish(
+        self, status: RolloutStatus | str = RolloutStatus.COMPLETED, error: str | None = None
+    ) -> bool:
+        """Emit RolloutFinished; False (and nothing emitted) if it was already finished."""
+        final = _enum(RolloutStatus, status)
+        with self._lock:
+            if self.status is not None:
+                return False
+            self._emit(RolloutFinished(final, error))
+            self.status = final
+            self.context = ContextTrie()  # free the token memory
+        return True
+
+    def __enter__(self) -> RolloutHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.finish(RolloutStatus.COMPLETED)
+        elif isinstance(exc, Exception):
+            self.finish(RolloutStatus.FAILED, repr(exc))
+        else:  # KeyboardInterrupt, SystemExit, GeneratorExit
+            self.finish(RolloutStatus.ABORTED, repr(exc))

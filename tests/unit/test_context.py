@@ -1,0 +1,223 @@
+"""The per-rollout context trie: parent choice, deltas, reconstruction, speed."""
+
+from __future__ import annotations
+
+import ast
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollstream.producers.context import ContextError, ContextTrie, common_prefix
+
+U32 = np.uint32
+
+
+def arr(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=U32)
+
+
+def test_first_call_has_no_parent() -> None:
+    trie = ContextTrie()
+    m = trie.add("a", arr(1, 2, 3), arr(4))
+    assert m.parent_call_id is None and m.prefix_len == 0
+    assert m.prompt_delta.tolist() == [1, 2, 3]
+
+
+def test_append_only_conversation_costs_only_new_tokens() -> None:
+    trie = ContextTrie()
+    rng = np.random.default_rng(1)
+    convo = np.zeros(0, U32)
+    wire = 0
+    prev = None
+    for turn in range(20):
+        user = rng.integers(0, 50_000, 30, dtype=U32)
+        prompt = np.concatenate((convo, user))
+        completion = rng.integers(0, 50_000, 10, dtype=U32)
+        m = trie.add(f"c{turn}", prompt, completion)
+        assert m.parent_call_id == prev
+        assert m.prefix_len == len(convo)
+        assert np.array_equal(m.prompt_delta, user)
+        wire += len(m.prompt_delta) + len(completion)
+        convo = np.concatenate((prompt, completion))
+        prev = f"c{turn}"
+    assert wire == len(convo)  # unique tokens only, not O(turns x context)
+    assert np.array_equal(trie.sequence("c19"), convo)
+
+
+def test_edited_context_is_a_rewind() -> None:
+    trie = ContextTrie()
+    trie.add("a", arr(1, 2, 3, 4), arr(5, 6))
+    # the harness summarised: keeps 1 2, replaces the rest
+    m = trie.add("b", arr(1, 2, 9, 9), arr(7))
+    assert (m.parent_call_id, m.prefix_len) == ("a", 2)
+    assert m.prompt_delta.tolist() == [9, 9]
+    assert m.prefix_len < trie.sequence_len("a")
+
+
+def test_prompt_ending_inside_a_completion() -> None:
+    trie = ContextTrie()
+    trie.add("a", arr(1, 2), arr(3, 4, 5))
+    m = trie.match(arr(1, 2, 3))
+    assert (m.parent_call_id, m.prefix_len, m.prompt_delta.tolist()) == ("a", 3, [])
+
+
+def test_longest_shared_prefix_wins_over_recency() -> None:
+    trie = ContextTrie()
+    trie.add("long", arr(1, 2, 3, 4, 5), arr(6))
+    trie.add("short", arr(1, 2, 9), arr(8))
+    m = trie.match(arr(1, 2, 3, 4, 7))
+    assert (m.parent_call_id, m.prefix_len) == ("long", 4)
+
+
+def test_ties_go_to_the_most_recent_call() -> None:
+    trie = ContextTrie()
+    trie.add("a", arr(1, 2, 3), arr(4))
+    trie.add("b", arr(1, 2, 5), arr(6))
+    trie.add("c", arr(1, 2, 7), arr(8))
+    m = trie.match(arr(1, 2, 0))
+    assert (m.parent_call_id, m.prefix_len) == ("c", 2)
+    # identical sequences: the later one
+    trie.add("d", arr(1, 2, 3), arr(4))
+    assert trie.match(arr(1, 2, 3, 4, 5)).parent_call_id == "d"
+
+
+def test_no_shared_token_means_no_parent() -> None:
+    trie = ContextTrie()
+    trie.add("a", arr(1, 2), arr(3))
+    m = trie.add("b", arr(7, 8), arr())
+    assert m.parent_call_id is None and m.prefix_len == 0
+
+
+def test_reused_call_id_and_unknown_call_raise() -> None:
+    trie = ContextTrie()
+    trie.add("a", arr(1), arr(2))
+    with pytest.raises(ContextError):
+        trie.add("a", arr(1), arr(2))
+    with pytest.raises(ContextError):
+        trie.sequence("zz")
+    with pytest.raises(ContextError):
+        trie.full_prompt("a", 5, arr())
+    with pytest.raises(ContextError):
+        trie.add("b", np.zeros((2, 2), U32))
+
+
+def test_add_delta_rebuilds_the_same_tree() -> None:
+    src, dst = ContextTrie(), ContextTrie()
+    prompts = [arr(1, 2, 3), arr(1, 2, 3, 4, 9), arr(1, 2, 8), arr(1, 2, 3, 4, 9, 5, 6)]
+    completions = [arr(4), arr(5), arr(7), arr()]
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        m = src.add(f"c{i}", p, c)
+        rebuilt = dst.add_delta(f"c{i}", m.parent_call_id, m.prefix_len, m.prompt_delta, c)
+        assert np.array_equal(rebuilt, p)
+        assert np.array_equal(dst.sequence(f"c{i}"), np.concatenate((p, c)))
+
+
+def test_accepts_lists_and_packed_bytes() -> None:
+    trie = ContextTrie()
+    trie.add("a", [1, 2, 3], [4])
+    m = trie.match(arr(1, 2, 3, 4, 5).tobytes())
+    assert (m.parent_call_id, m.prefix_len, m.prompt_delta.tolist()) == ("a", 4, [5])
+
+
+def test_common_prefix_long_arrays() -> None:
+    a = np.arange(100_000, dtype=U32)
+    b = a.copy()
+    assert common_prefix(a, b) == len(a)
+    b[70_000] = 0
+    assert common_prefix(a, b) == 70_000
+    b[10] = 0
+    assert common_prefix(a, b) == 10
+    assert common_prefix(a[:5], b) == 5
+
+
+def _brute(calls: list[tuple[str, np.ndarray]], prompt: np.ndarray) -> tuple[str | None, int]:
+    best: tuple[str | None, int] = (None, 0)
+    for cid, seq in calls:  # in order: a later tie replaces an earlier one
+        k = common_prefix(seq, prompt)
+        if k > 0 and k >= best[1]:
+            best = (cid, k)
+    return best
+
+
+token_lists = st.lists(st.integers(0, 3), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(token_lists, token_lists, st.integers(0, 12)), min_size=1, max_size=12))
+def test_matches_brute_force_and_reconstructs(
+    ops: list[tuple[list[int], list[int], int]],
+) -> None:
+    """Random edits of earlier sequences: parent = brute-force longest/most recent, and the
+    wire form rebuilds the exact prompt."""
+    trie = ContextTrie()
+    calls: list[tuple[str, np.ndarray]] = []
+    for i, (new, completion, cut) in enumerate(ops):
+        base = calls[-1 - cut % len(calls)][1] if calls else arr()
+        prompt = np.concatenate((base[: cut * 2], np.array(new, U32)))
+        expect = _brute(calls, prompt)
+        m = trie.add(f"c{i}", prompt, np.array(completion, U32))
+        assert (m.parent_call_id, m.prefix_len) == expect
+        parent = dict(calls)[m.parent_call_id] if m.parent_call_id else arr()
+        assert np.array_equal(np.concatenate((parent[: m.prefix_len], m.prompt_delta)), prompt)
+        calls.append((f"c{i}", np.concatenate((prompt, np.array(completion, U32)))))
+    for cid, seq in calls:
+        assert np.array_equal(trie.sequence(cid), seq)
+
+
+def test_million_token_rollout_is_fast() -> None:
+    """300 appended turns up to ~1M tokens: each call is one vectorised compare, not a loop."""
+    trie = ContextTrie()
+    rng = np.random.default_rng(0)
+    convo = rng.integers(0, 150_000, 1_000_000, dtype=U32)
+    step = len(convo) // 300
+    t0 = time.perf_counter()
+    for i in range(300):
+        end = (i + 1) * step
+        m = trie.add(f"c{i}", convo[: end - 100], convo[end - 100 : end])
+        assert len(m.prompt_delta) == step - 100
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 3.0, f"{elapsed:.2f}s for 300 calls"
+    assert len(trie) == 300
+
+
+def test_context_module_is_pure() -> None:
+    tree = ast.parse((Path(__file__).parents[2] / "producers" / "context.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module.split(".")[0])
+    assert imported <= {"__future__", "collections", "typing", "numpy"}, imported
+
+
+def test_mixed_appends_and_rewinds_match_brute_force() -> None:
+    """Mostly appends to the last call (the fast path) mixed with rewinds into any earlier call,
+    over a tiny alphabet so prefixes collide often."""
+    rng = np.random.default_rng(5)
+
+    def noise(hi: int) -> np.ndarray:
+        return rng.integers(0, 3, rng.integers(0, hi), dtype=U32)
+
+    for _ in range(100):
+        trie = ContextTrie()
+        calls: list[tuple[str, np.ndarray]] = []
+        for i in range(25):
+            if calls and rng.random() < 0.5:
+                prompt = np.concatenate((calls[-1][1], noise(4)))
+            elif calls:
+                base = calls[rng.integers(len(calls))][1]
+                prompt = np.concatenate((base[: rng.integers(0, len(base) + 1)], noise(4)))
+            else:
+                prompt = noise(4)
+            completion = noise(3)
+            expect = _brute(calls, prompt)
+            m = trie.add(f"c{i}", prompt, completion)
+            assert (m.parent_call_id, m.prefix_len) == expect
+            calls.append((f"c{i}", np.concatenate((prompt, completion))))
+        for cid, seq in calls:
+            assert np.array_equal(trie.sequence(cid), seq)

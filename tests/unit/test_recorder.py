@@ -1,0 +1,416 @@
+"""The harness SDK against the in-memory transport: events, deltas, failures, outages, spool."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ulid import ULID
+
+from rollstream.producers import (
+    ContextTrie,
+    DeliveryError,
+    MemoryTransport,
+    Recorder,
+    RecorderSettings,
+    RecorderUsageError,
+    Spool,
+)
+from rollstream.schemas import Codec, Event, LlmCall, RolloutFinished, RolloutStarted, Topics
+
+NS = "unit"
+TOPIC = Topics(NS).events
+codec = Codec()
+
+
+def make_settings(tmp_path: Path, **kw: object) -> RecorderSettings:
+    base: dict[str, object] = {
+        "namespace": NS,
+        "spool_dir": tmp_path / "spool",
+        "degrade_after_s": 0.2,
+        "probe_interval_s": 0.05,
+        "close_timeout_s": 5.0,
+        "producer": "unit-test",
+    }
+    base.update(kw)
+    return RecorderSettings(**base)
+
+
+def consumed(transport: MemoryTransport) -> list[Event]:
+    return [codec.decode(m.value) for m in transport.messages(TOPIC)]
+
+
+def assert_exactly_once_in_order(events: list[Event], expected: int | None = None) -> None:
+    ids = [e.event_id for e in events]
+    assert len(ids) == len(set(ids)), "duplicate events"
+    if expected is not None:
+        assert len(events) == expected
+    seqs: dict[str, list[int]] = defaultdict(list)
+    for e in events:  # messages() is partition by partition, offset order: per-key order
+        seqs[e.rollout_id].append(e.seq)
+    for rollout_id, got in seqs.items():
+        assert got == list(range(len(got))), f"{rollout_id}: {got[:20]}"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def record_rollouts(recorder: Recorder, n: int, events_each: int, tag: str = "") -> None:
+    for i in range(n):
+        with recorder.rollout(task_id=f"task{tag}{i}", group_id="g") as r:
+            for j in range(events_each - 2):
+                r.reward(float(j), "partial")
+
+
+# --- events ------------------------------------------------------------------------------------
+
+
+def test_rollout_envelope_and_lifecycle(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    with Recorder(make_settings(tmp_path), transport=transport) as recorder:
+        with recorder.rollout(
+            task_id="t1", group_id="g1", attempt=2, sampling={"temperature": 1}, metadata={"a": 1}
+        ) as r:
+            r.tool_call("search", arguments={"q": "x"}, result="ok")
+            r.reward(1.0)
+        assert r.finished and r.seq == 4
+        assert recorder.flush(5)
+    msgs = transport.messages(TOPIC)
+    events = [codec.decode(m.value) for m in msgs]
+    assert {m.key for m in msgs} == {r.rollout_id.encode()}
+    assert [e.seq for e in events] == [0, 1, 2, 3]
+    assert [e.kind for e in events] == ["RolloutStarted", "ToolCall", "Reward", "RolloutFinished"]
+    started = events[0].body
+    assert isinstance(started, RolloutStarted)
+    assert (started.task_id, started.group_id, started.attempt) == ("t1", "g1", 2)
+    assert started.sampling == {"temperature": 1.0} and started.metadata == {"a": "1"}
+    assert events[1].body.arguments == '{"q": "x"}'
+    assert all(e.producer == "unit-test" and e.rollout_id == r.rollout_id for e in events)
+    for e in events:  # valid ULIDs that carry the event's time
+        assert abs(ULID.from_str(e.event_id).milliseconds - e.ts // 1000) < 1000
+    assert events[-1].body == RolloutFinished("completed", None)
+    assert recorder.stats.sent == 4 and recorder.stats.state == "closed"
+
+
+def test_llm_calls_carry_deltas_that_rebuild_the_prompts(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    rng = np.random.default_rng(3)
+    prompts, completions, ids = [], [], []
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(0, 1000, n, dtype=np.uint32)
+
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    with recorder, recorder.rollout(task_id="t", group_id="g") as r:
+        convo = tokens(500)
+        for turn in range(6):
+            if turn == 4:  # the harness edits its context: a rewind
+                convo = np.concatenate((convo[:300], tokens(7)))
+            completion = tokens(20)
+            lps = -rng.random(20, dtype=np.float32)
+            ids.append(r.llm_call(convo, completion, lps, model="m", latency_ms=3))
+            prompts.append(convo)
+            completions.append(completion)
+            convo = np.concatenate((convo, completion, tokens(5)))
+        given = r.llm_call(convo, [1], [-0.5], call_id="mine")
+    assert given == "mine"
+    calls = [e.body for e in consumed(transport) if isinstance(e.body, LlmCall)]
+    assert [c.call_id for c in calls[:6]] == ids
+    assert len(calls[1].prompt_delta) == 5  # only the new tokens travel
+    assert calls[4].prefix_len == 300 and calls[4].parent_call_id == ids[3]
+    assert calls[0].usage.prompt_tokens == 500 and calls[0].usage.completion_tokens == 20
+    rebuilt = ContextTrie()
+    for c, prompt, completion in zip(calls, prompts, completions, strict=False):
+        full = rebuilt.add_delta(
+            c.call_id, c.parent_call_id, c.prefix_len, c.prompt_delta, c.completion_ids
+        )
+        assert np.array_equal(full, prompt)
+        assert np.array_equal(c.completion_ids, completion)
+
+
+def test_exception_finishes_failed_and_propagates(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    with Recorder(make_settings(tmp_path), transport=transport) as recorder:
+        with pytest.raises(RuntimeError, match="boom"), recorder.rollout(task_id="t", group_id="g"):
+            raise RuntimeError("boom")
+        with pytest.raises(KeyboardInterrupt), recorder.rollout(task_id="t2", group_id="g"):
+            raise KeyboardInterrupt
+    finished = [e.body for e in consumed(transport) if isinstance(e.body, RolloutFinished)]
+    assert {(f.status, f.error) for f in finished} == {
+        ("failed", "RuntimeError('boom')"),
+        ("aborted", "KeyboardInterrupt()"),
+    }
+
+
+def test_misuse_raises_at_the_call_site(tmp_path: Path) -> None:
+    with Recorder(make_settings(tmp_path), transport=MemoryTransport()) as recorder:
+        r = recorder.rollout(task_id="t", group_id="g")
+        with pytest.raises(RecorderUsageError):
+            r.llm_call([1, 2], [3, 4], [-0.1])
+        with pytest.raises(RecorderUsageError, match="RewardKind"):
+            r.reward(1.0, "bonus")
+        with pytest.raises(RecorderUsageError, match="cannot encode"):
+            r.tool_call("x", sandbox=123)
+        assert r.seq == 1  # nothing was emitted: seq stays gap-free
+        assert r.finish("timeout") is True
+        assert r.finish() is False
+        with pytest.raises(RecorderUsageError):
+            r.reward(1.0)
+
+
+def test_tool_result_is_bounded(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    rec = Recorder(make_settings(tmp_path, max_tool_result_chars=10), transport=transport)
+    with rec, rec.rollout(task_id="t", group_id="g") as r:
+        r.tool_call("cat", "f", "x" * 100, is_error=True)
+    tool = consumed(transport)[1].body
+    assert tool.result == "x" * 10 and tool.result_truncated and tool.is_error
+
+
+def test_concurrent_rollouts_from_threads(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    with Recorder(make_settings(tmp_path, queue_size=100), transport=transport) as recorder:
+        threads = [
+            threading.Thread(target=record_rollouts, args=(recorder, 10, 12, str(t)))
+            for t in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert recorder.flush(10)
+    assert_exactly_once_in_order(consumed(transport), 8 * 10 * 12)
+
+
+# --- failures and outages ----------------------------------------------------------------------
+
+
+def test_outage_spools_then_drains_in_order(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rollstream.producers")
+    transport = MemoryTransport()
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    record_rollouts(recorder, 3, 10, "a")
+    assert recorder.flush(5)
+    transport.available = False
+    r = recorder.rollout(task_id="long", group_id="g")  # spans the outage
+    record_rollouts(recorder, 3, 10, "b")
+    wait_for(lambda: recorder.stats.state == "degraded")
+    for j in range(30):
+        r.reward(float(j), "partial")
+    record_rollouts(recorder, 3, 10, "c")
+    assert recorder.stats.spooled > 0
+    assert not recorder.flush(0.2)  # bounded: returns while Kafka is down
+    transport.available = True
+    r.finish()
+    assert recorder.flush(10)
+    stats = recorder.close()
+    assert_exactly_once_in_order(consumed(transport), 9 * 10 + 32)
+    assert stats.dropped == 0 and stats.failed == 0 and stats.spool_backlog == 0
+    text = caplog.text
+    assert "Kafka unreachable" in text and "spooling events" in text
+    assert "Kafka reachable again" in text
+
+
+def test_failed_deliveries_are_resent_in_order_exactly_once(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    transport.fail_next(3)
+    record_rollouts(recorder, 6, 20)
+    assert recorder.flush(10)
+    stats = recorder.close()
+    assert_exactly_once_in_order(consumed(transport), 120)
+    assert stats.spooled > 0 and stats.sent == 120
+
+
+def test_permanent_rejection_is_counted_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    transport = MemoryTransport()
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    transport.fail_next(1, DeliveryError("MSG_SIZE_TOO_LARGE", "too big", permanent=True))
+    record_rollouts(recorder, 1, 5)
+    assert recorder.flush(5)
+    stats = recorder.close()
+    assert (stats.failed, stats.sent) == (1, 4)
+    assert "rejected an event for good" in caplog.text
+
+
+def test_queue_overflow_spools_and_keeps_order(tmp_path: Path) -> None:
+    transport = MemoryTransport(capacity=5)  # the client's buffer fills at once
+    recorder = Recorder(make_settings(tmp_path, queue_size=5), transport=transport)
+    threads = [
+        threading.Thread(target=record_rollouts, args=(recorder, 5, 30, str(t))) for t in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert recorder.flush(20)
+    stats = recorder.close()
+    assert stats.spooled > 0
+    assert_exactly_once_in_order(consumed(transport), 4 * 5 * 30)
+
+
+def test_without_a_spool_the_client_buffers_then_drops_and_counts(tmp_path: Path) -> None:
+    transport = MemoryTransport(capacity=4)
+    transport.available = False
+    recorder = Recorder(make_settings(tmp_path, spool_dir=None, queue_size=3), transport=transport)
+    record_rollouts(recorder, 1, 10)  # the queue (3) and the client (4) fill; the rest drops
+
+    def settled() -> bool:
+        s = recorder.stats
+        return s.queued == 0 or s.in_flight == 4
+
+    wait_for(settled)
+    assert recorder.stats.dropped > 0
+    stats = recorder.close(timeout=0.1)
+    assert (stats.dropped, stats.submitted, stats.sent) == (10, 10, 0)
+
+
+def test_without_a_spool_a_short_outage_loses_nothing(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    recorder = Recorder(make_settings(tmp_path, spool_dir=None), transport=transport)
+    transport.available = False
+    record_rollouts(recorder, 3, 10)
+    time.sleep(0.4)  # longer than degrade_after_s: still no spool mode without a spool
+    transport.available = True
+    assert recorder.flush(5)
+    assert recorder.close().dropped == 0
+    assert_exactly_once_in_order(consumed(transport), 30)
+
+
+def test_close_while_down_then_a_new_recorder_drains_the_spool(tmp_path: Path) -> None:
+    transport = MemoryTransport()  # the broker's log outlives both recorders
+    first = Recorder(make_settings(tmp_path), transport=transport)
+    record_rollouts(first, 2, 10, "a")
+    assert first.flush(5)
+    transport.available = False
+    r = first.rollout(task_id="open", group_id="g")
+    record_rollouts(first, 4, 10, "b")
+    for j in range(10):
+        r.reward(j)
+    stats = first.close(timeout=0.3)
+    assert stats.spool_backlog == 0  # the spool is closed; its files hold the events
+    left = Spool(tmp_path / "spool")
+    assert left.backlog == 4 * 10 + 11
+    left.close()
+    transport.available = True
+    second = Recorder(make_settings(tmp_path), transport=transport)
+    assert second.flush(10)
+    record_rollouts(second, 1, 5, "c")
+    assert second.flush(5)
+    second.close()
+    assert_exactly_once_in_order(consumed(transport), 2 * 10 + 4 * 10 + 11 + 5)
+
+
+def test_events_the_broker_wrote_but_never_acked_are_not_sent_twice(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    first = Recorder(make_settings(tmp_path, degrade_after_s=30), transport=transport)
+    transport.available = False
+    record_rollouts(first, 3, 10)
+    wait_for(lambda: first.stats.in_flight == 30)
+    transport.persist_in_flight()  # the broker wrote them, then died before answering
+    first.close(timeout=0.2)  # purged in flight -> spooled as uncertain
+    transport.available = True
+    second = Recorder(make_settings(tmp_path), transport=transport)
+    assert second.flush(10)
+    stats = second.close()
+    assert stats.deduplicated == 30 and stats.sent == 0
+    assert_exactly_once_in_order(consumed(transport), 30)
+
+
+def test_unverifiable_uncertain_events_are_resent_not_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    transport = MemoryTransport()
+    first = Recorder(make_settings(tmp_path, degrade_after_s=30), transport=transport)
+    transport.available = False
+    record_rollouts(first, 1, 5)
+    wait_for(lambda: first.stats.in_flight == 5)
+    first.close(timeout=0.1)
+    transport.available, transport.readable = True, False
+    second = Recorder(make_settings(tmp_path), transport=transport)
+    assert second.flush(10)
+    second.close()
+    assert len(consumed(transport)) == 5
+    assert "could not check 5 uncertain" in caplog.text
+
+
+def test_message_timeout_in_the_client_moves_events_back_to_the_spool(tmp_path: Path) -> None:
+    transport = MemoryTransport(message_timeout_s=0.1)
+    recorder = Recorder(make_settings(tmp_path, degrade_after_s=5), transport=transport)
+    transport.available = False
+    record_rollouts(recorder, 2, 10, "a")
+    wait_for(lambda: recorder.stats.state == "degraded")  # a delivery failed (timed out)
+    record_rollouts(recorder, 2, 10, "b")
+    wait_for(lambda: recorder.stats.spool_backlog == 40)
+    transport.available = True
+    assert recorder.flush(10)
+    recorder.close()
+    assert_exactly_once_in_order(consumed(transport), 40)
+
+
+def test_harness_never_sees_transport_errors(tmp_path: Path) -> None:
+    class Broken(MemoryTransport):
+        def produce(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("client exploded")
+
+    recorder = Recorder(make_settings(tmp_path), transport=Broken())
+    record_rollouts(recorder, 1, 4)
+    assert recorder.flush(5)
+    assert recorder.close().failed == 4
+
+
+def test_after_close_events_are_dropped_and_counted(tmp_path: Path) -> None:
+    recorder = Recorder(make_settings(tmp_path), transport=MemoryTransport())
+    r = recorder.rollout(task_id="t", group_id="g")
+    recorder.close()
+    r.reward(1.0)
+    assert recorder.stats.dropped == 1
+
+
+def test_exit_without_close_spools_at_exit(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        from rollstream.producers import MemoryTransport, Recorder, RecorderSettings
+        t = MemoryTransport()
+        t.available = False
+        rec = Recorder(RecorderSettings(namespace="x", spool_dir={str(tmp_path / "spool")!r},
+                                        close_timeout_s=0.2), transport=t)
+        with rec.rollout(task_id="t", group_id="g") as r:
+            r.reward(1.0)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    spool = Spool(tmp_path / "spool")
+    assert spool.backlog == 3
+    spool.close()
+
+
+def test_unusable_spool_dir_does_not_stop_the_harness(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    transport = MemoryTransport()
+    with Recorder(make_settings(tmp_path, spool_dir=blocker / "spool"), transport=transport) as rec:
+        record_rollouts(rec, 1, 3)
+        assert rec.flush(5)
+    assert len(consumed(transport)) == 3
+    assert "spool disabled" in caplog.text
