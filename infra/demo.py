@@ -1,112 +1,191 @@
-"""``rollstream demo`` (``make demo``): the local stack end to end, as far as it is built.
+"""``rollstream demo`` (``make demo``): the whole RL loop on one machine, nothing else running.
 
-Starts the local Kafka broker (if it is not running), records a few example multi-turn rollouts
-through the SDK — LLM calls whose prompts grow turn by turn, a tool call, a retry branch that
-rewinds the context, milestone and final rewards — and reads them back from ``rollout.events``
-with the same decoder ``rollstream tail`` uses, showing how little of each prompt went on the
-wire (the context trie sends only the new tokens).
+1. the local Kafka broker (KRaft) and the demo namespace's topics;
+2. the tiny local model (random-init Qwen2, BPE tokenizer trained on a local corpus);
+3. services, each a ``rollstream`` subprocess with a log under ``<home>/logs``: the reference
+   model server, the recording proxy (following ``policy.versions``), the stream processors,
+   the ClickHouse sink (chDB) with its analytics server, and the trainer;
+4. the built-in agent (producers/agent.py) runs groups of rollouts through the proxy's rollout
+   API and OpenAI endpoint, continuously, while the trainer trains on the samples the
+   processors emit (async RL with bounded staleness); the proxy reloads each new policy;
+5. the reward per policy version, as a table and a PNG plot, once ``demo_steps`` policy
+   versions exist or ``demo_max_minutes`` pass.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-import numpy as np
 from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
-from rollstream.producers import Recorder, RecorderSettings
-from rollstream.schemas import Codec
+from rollstream.producers.agent import AgentResult, DemoAgent, demo_tasks
 
-from . import stack, tail
+from . import stack
+from .kafka import free_port
+from .services import Service, Supervisor
 
-__all__ = ["DemoSettings", "record_examples", "run"]
+__all__ = ["DemoSettings", "plot_rewards", "reward_table", "run"]
 
 
 class DemoSettings(stack.StackSettings):
-    demo_rollouts: int = 4
-    demo_turns: int = 4
+    demo_steps: int = 20  # policy versions to train
+    demo_max_minutes: float = 10.0
+    demo_tasks: int = 4
+    demo_group_size: int = 8
+    demo_turns: int = 2
+    demo_max_tokens: int = 12
+    demo_workers: int = 8  # concurrent rollouts
+    demo_lr: float = 3e-3
+    demo_token_budget: int = 6144
+    demo_max_staleness: int = 2
+    demo_sink: bool = True
+    demo_plot: Path | None = None  # default <home>/demo-reward.png
+    demo_seed: int = 0
 
 
-def record_examples(recorder: Recorder, rollouts: int, turns: int, run_id: str) -> list[str]:
-    """Write example rollouts with synthetic token IDs; returns their rollout ids."""
-    rng = np.random.default_rng(0)
-    ids = []
-    for i in range(rollouts):
-        with recorder.rollout(task_id=f"demo-task-{i % 2}", group_id=f"{run_id}-g{i % 2}",
-                              harness="demo", metadata={"run": run_id}) as r:
-            ids.append(r.rollout_id)
-            prompt = rng.integers(10, 500, 40).astype(np.uint32)  # system + user message
-            for turn in range(turns):
-                completion = rng.integers(10, 500, 20).astype(np.uint32)
-                logprobs = -rng.random(20).astype(np.float32)
-                call_id = r.llm_call(prompt, completion, logprobs, model="demo-model")
-                result = f"tool result {turn}"
-                r.tool_call("calculator", arguments='{"expr": "6*7"}', result=result,
-                            at_call_id=call_id)
-                r.reward(0.25, kind="milestone", name=f"turn-{turn}", at_call_id=call_id)
-                tool_tokens = rng.integers(10, 500, 10).astype(np.uint32)
-                prompt = np.concatenate([prompt, completion, tool_tokens])
-                if turn == 1 and i % 2 == 0:
-                    # retry: go back to the prompt before the last tool result
-                    r.branch("retry", source_call_id=call_id, reason="tool said try again")
-                    prompt = prompt[: len(prompt) - len(tool_tokens)]
-            r.reward(float(i % 2), kind="final", name="tests-pass")
-    return ids
+def _latest_version(results: list[AgentResult]) -> int:
+    return max((max(r.policy_versions) for r in results if r.policy_versions), default=0)
+
+
+def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
+    """Final reward of each rollout under the policy version that produced its first call."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for r in results:
+        if r.policy_versions and r.error is None:
+            out[min(r.policy_versions)].append(r.final)
+    return dict(sorted(out.items()))
+
+
+def reward_table(results: list[AgentResult], title: str = "reward per policy version") -> Table:
+    table = Table("policy version", "rollouts", "mean reward", "min", "max", title=title)
+    for version, values in rewards_by_version(results).items():
+        table.add_row(str(version), str(len(values)), f"{statistics.fmean(values):.3f}",
+                      f"{min(values):.2f}", f"{max(values):.2f}")
+    return table
+
+
+def plot_rewards(results: list[AgentResult], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = rewards_by_version(results)
+    versions = list(data)
+    means = [statistics.fmean(v) for v in data.values()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for v, values in data.items():
+        ax.scatter([v] * len(values), values, s=6, alpha=0.25, color="tab:blue")
+    ax.plot(versions, means, marker="o", color="tab:red", label="mean reward")
+    ax.set_xlabel("policy version (trainer step)")
+    ax.set_ylabel("final reward (digit fraction)")
+    ax.set_title("rollstream demo: reward per policy version")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run(settings: DemoSettings) -> int:
     console = Console()
     t0 = time.monotonic()
+    namespace = settings.namespace or f"demo{uuid.uuid4().hex[:6]}"
+    settings = settings.model_copy(update={"namespace": namespace})
+    home = Path(settings.home).resolve()
     with console.status("starting the local Kafka broker ..."):
         stack.up(settings)
-    console.print(f"[green]kafka ready[/] at {settings.kafka_bootstrap} "
-                  f"({time.monotonic() - t0:.1f}s)")
+    console.print(f"[green]kafka ready[/] at {settings.kafka_bootstrap}, namespace "
+                  f"[bold]{namespace}[/] ({time.monotonic() - t0:.0f}s)")
 
-    run_id = f"demo-{uuid.uuid4().hex[:6]}"
-    recorder = Recorder(RecorderSettings(**settings.model_dump(include=set(
-        RecorderSettings.model_fields) & set(DemoSettings.model_fields))))
-    rollout_ids = record_examples(recorder, settings.demo_rollouts, settings.demo_turns, run_id)
-    recorder.close()
-    stats = recorder.stats
-    console.print(f"recorded {len(rollout_ids)} rollouts: {stats}")
+    from rollstream.producers.tinymodel import ensure_tiny_model
 
-    wanted = set(rollout_ids)
-    table = Table("rollout", "events", "llm calls", "prompt tokens", "sent as delta", "rewards",
-                  "status", title="read back from rollout.events")
-    rows: dict[str, dict[str, int | str]] = {
-        rid: {"events": 0, "calls": 0, "prompt": 0, "delta": 0, "rewards": 0, "status": "-"}
-        for rid in rollout_ids}
-    expected = None
-    codec = Codec()
-    opts = tail.TailOptions("events", from_beginning=True, idle_timeout=10.0)
-    seen = 0
-    for rec in tail.records(settings, opts):
-        rid = rec.get("rollout_id")
-        if rid not in wanted:
-            continue
-        seen += 1
-        row = rows[rid]
-        row["events"] = int(row["events"]) + 1
-        body = rec["body"]
-        if rec["type"] == "LlmCall":
-            row["calls"] = int(row["calls"]) + 1
-            row["prompt"] = int(row["prompt"]) + body["prefix_len"] + len(body["prompt_delta"])
-            row["delta"] = int(row["delta"]) + len(body["prompt_delta"])
-        elif rec["type"] == "Reward":
-            row["rewards"] = int(row["rewards"]) + 1
-        elif rec["type"] == "RolloutFinished":
-            row["status"] = body["status"]
-        if expected is None:
-            expected = stats.sent
-        if seen >= expected:
-            break
-    del codec
-    for rid, row in rows.items():
-        table.add_row(rid[-10:], *(str(row[k]) for k in
-                                    ("events", "calls", "prompt", "delta", "rewards", "status")))
-    console.print(table)
-    console.print("tail them yourself: [bold]rollstream tail events --from-beginning[/]; "
-                  "stop the broker: [bold]rollstream down[/]")
-    return 0 if seen == stats.sent else 1
+    model_dir = home / "models" / "tiny"
+    with console.status("making the tiny model ..."):
+        ensure_tiny_model(model_dir, seed=settings.demo_seed)
+
+    model_port, proxy_port, analytics_port = free_port(), free_port(), free_port()
+    run_id = f"{namespace}-run"
+    env = {
+        "ROLLSTREAM_HOME": str(home),
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "ROLLSTREAM_NAMESPACE": namespace,
+        "ROLLSTREAM_MODEL_PATH": str(model_dir),
+        "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
+        "ROLLSTREAM_SPOOL_DIR": str(home / "spool" / namespace),
+        "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{home / 'clickhouse'}",
+    }
+    sup = Supervisor(home / namespace, env)
+    results: list[AgentResult] = []
+    try:
+        with console.status("starting services (model server, proxy, processors, sink, trainer)"):
+            sup.start(Service("model-server", ["serve-model", "--port", str(model_port)],
+                              health_url=f"http://127.0.0.1:{model_port}/health"))
+            sup.start(Service(
+                "proxy",
+                ["proxy", "--port", str(proxy_port), "--backend", f"http://127.0.0.1:{model_port}"],
+                env={"ROLLSTREAM_PROXY_FOLLOW_POLICY": "true"},
+                health_url=f"http://127.0.0.1:{proxy_port}/health"))
+            sup.start(Service("processor", ["process"], env={
+                "ROLLSTREAM_PROC_GROUP_SIZE": str(settings.demo_group_size),
+                "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": "60"}))
+            if settings.demo_sink:
+                sup.start(Service("sink", ["sink", "--port", str(analytics_port)],
+                                  health_url=f"http://127.0.0.1:{analytics_port}/health"))
+            sup.start(Service("trainer", ["train"], env={
+                "ROLLSTREAM_TRAIN_LR": str(settings.demo_lr),
+                "ROLLSTREAM_TRAIN_TOKEN_BUDGET": str(settings.demo_token_budget),
+                "ROLLSTREAM_TRAIN_MAX_STALENESS": str(settings.demo_max_staleness),
+                "ROLLSTREAM_TRAIN_MAX_STEPS": str(settings.demo_steps),
+                "ROLLSTREAM_TRAIN_FLUSH_IDLE_S": "3",
+                "ROLLSTREAM_TRAIN_TORCH_THREADS": "1"}))
+        console.print(f"services up ({time.monotonic() - t0:.0f}s); logs in {sup.log_dir}")
+
+        agent = DemoAgent(f"http://127.0.0.1:{proxy_port}", turns=settings.demo_turns,
+                          max_tokens=settings.demo_max_tokens)
+        tasks = demo_tasks(settings.demo_tasks, settings.demo_seed)
+        deadline = t0 + settings.demo_max_minutes * 60
+        round_no = 0
+        with ThreadPoolExecutor(settings.demo_workers) as pool, \
+                Live(reward_table(results), console=console, refresh_per_second=2) as live:
+            while time.monotonic() < deadline and _latest_version(results) < settings.demo_steps:
+                sup.check()
+                futures = [
+                    pool.submit(agent.run, task, f"{run_id}-r{round_no}-{task.task_id}",
+                                group_size=settings.demo_group_size, run_id=run_id,
+                                seed=round_no * 1000 + ti * 100 + k)
+                    for ti, task in enumerate(tasks) for k in range(settings.demo_group_size)
+                ]
+                for fut in futures:
+                    results.append(fut.result())
+                round_no += 1
+                failed = sum(r.error is not None for r in results)
+                live.update(reward_table(
+                    results, title=f"reward per policy version — round {round_no}, "
+                                   f"{len(results)} rollouts ({failed} failed), "
+                                   f"{time.monotonic() - t0:.0f}s"))
+        agent.close()
+    finally:
+        sup.stop_all()
+
+    data = rewards_by_version(results)
+    plot = plot_rewards(results, settings.demo_plot or home / "demo-reward.png")
+    console.print(reward_table(results))
+    if data:
+        first, last = next(iter(data.values())), list(data.values())[-1]
+        console.print(f"mean reward: policy v{next(iter(data))} {statistics.fmean(first):.3f} "
+                      f"-> v{list(data)[-1]} {statistics.fmean(last):.3f}; plot: {plot}")
+    console.print(f"{len(results)} rollouts in {time.monotonic() - t0:.0f}s; the broker keeps "
+                  f"running (`rollstream down` stops it); explore: `rollstream tail events "
+                  f"--namespace {namespace} --from-beginning`")
+    return 0 if results and len(data) > 1 else 1

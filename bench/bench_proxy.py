@@ -1,0 +1,447 @@
+"""What the recording proxy adds to a model call: latency per call and throughput, proxied vs
+direct, against the same instant backend, with the LiteLLM proxy as the anchor, in one run.
+
+Processes (each its own interpreter, so the proxy is what is measured):
+  fake backend   starlette + uvicorn; answers /v1/chat/completions (direct, LiteLLM) and the
+                 token-id /v1/completions (our proxy) at once with the same fixed reply
+  our proxy      rollstream's proxy (uvicorn, one worker) in front of the fake backend; every
+                 call is rendered, tokenized, recorded as an LlmCall (in-memory transport, or a
+                 real broker with --bootstrap) and answered
+  LiteLLM        `litellm --config` (one worker) in front of the same fake backend, if installed
+  load           64 streams (raw asyncio HTTP/1.1 keep-alive, one connection each), each a
+                 multi-turn chat (the reply appended, a new user turn; reset after 8 turns)
+
+Phases, per round and target (direct, proxy, litellm): "closed" (each stream sends as soon as
+its last answer came: saturation throughput and latency under it) and "paced" (--rate requests/s
+in total, below every target's capacity: the per-call overhead without queueing). Medians over
+rounds. added_* = proxied - direct, per percentile.
+
+    .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
+        [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+REPLY = "Sure, here is a short answer."
+ADMIN = "bench-admin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- server modes
+
+
+def serve_fake(port: int, reply_ids: list[int]) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    lps = [-0.5] * len(reply_ids)
+    completion = json.dumps({
+        "id": "cmpl-1", "object": "text_completion", "model": "fake", "policy_version": 0,
+        "choices": [{"index": 0, "text": REPLY, "token_ids": reply_ids, "finish_reason": "stop",
+                     "logprobs": {"token_logprobs": lps}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": len(reply_ids)},
+    }).encode()  # fmt: skip
+    chat = json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "fake",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": REPLY}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": len(reply_ids), "total_tokens": 9},
+    }).encode()  # fmt: skip
+
+    async def completions(request: Request) -> Response:
+        await request.body()
+        return Response(completion, media_type="application/json")
+
+    async def chat_completions(request: Request) -> Response:
+        await request.body()
+        return Response(chat, media_type="application/json")
+
+    async def ok(request: Request) -> Response:
+        return Response(b'{"policy_version": 0}', media_type="application/json")
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/health", ok), Route("/v1/policy_version", ok),
+    ])  # fmt: skip
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def serve_proxy(port: int, backend: str, model_path: str, bootstrap: str | None) -> None:
+    import uvicorn
+
+    from rollstream.producers import Recorder
+    from rollstream.producers.proxy import ProxySettings, create_app
+
+    kw: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
+    settings = ProxySettings(
+        proxy_backends=[backend], proxy_model_path=Path(model_path), proxy_api_keys=[ADMIN],
+        spool_dir=None, proxy_port=port, namespace=f"bench{os.getpid()}", **kw,
+    )  # fmt: skip
+    if bootstrap:
+        from rollstream.infra.topics import ensure_topics
+
+        ensure_topics(settings)
+        recorder = Recorder(settings)
+    else:
+        recorder = Recorder(settings, transport=SinkTransport())
+    app = create_app(settings, recorder=recorder)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+class SinkTransport:
+    """A broker that acknowledges every record as it is produced and keeps only counts: the
+    events are built, encoded and handed over exactly as with Kafka, without a Python broker
+    (MemoryTransport) competing for the proxy's interpreter. --bootstrap uses a real broker."""
+
+    def __init__(self) -> None:
+        self.records = self.bytes = 0
+        self._acks: list[Any] = []
+
+    def produce(self, topic: str, key: bytes, value: bytes, on_delivery: Any, *,
+                timestamp_ms: int | None = None) -> None:  # fmt: skip
+        self.records += 1
+        self.bytes += len(value)
+        self._acks.append(on_delivery)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        acks, self._acks = self._acks, []
+        for ack in acks:
+            ack(None)
+        if not acks and timeout > 0:
+            time.sleep(timeout)
+        return len(acks)
+
+    def flush(self, timeout: float) -> int:
+        self.poll()
+        return 0
+
+    def purge(self) -> None:
+        self._acks = []
+
+    def reachable(self, topic: str, timeout: float) -> bool:
+        return True
+
+    def delivered(self, topic: str, since_ms: int, digests: set[bytes], timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("wb")
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+# --------------------------------------------------------------------------- load
+
+
+class Stream:
+    """One keep-alive HTTP/1.1 connection playing a multi-turn chat."""
+
+    def __init__(self, host: str, port: int, path: str, token: str, index: int) -> None:
+        self.host, self.port, self.path, self.token, self.index = host, port, path, token, index
+        self.turn = 0
+        self.messages: list[dict[str, Any]] = []
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    def body(self) -> bytes:
+        if self.turn % 8 == 0:
+            self.messages = [
+                {"role": "system", "content": "You are a concise assistant."},
+                {"role": "user", "content": f"Question {self.index}: what is up?"},
+            ]
+        return json.dumps({"model": "fake", "messages": self.messages, "max_tokens": 16}).encode()
+
+    async def call(self) -> float:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        body = self.body()
+        head = (f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\n"
+                f"Authorization: Bearer {self.token}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        t0 = time.perf_counter()
+        self.writer.write(head + body)
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(raw[9:12])
+        headers = raw.decode("latin-1").lower()
+        if "transfer-encoding: chunked" in headers:
+            payload = b""
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+                payload += await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        else:
+            length = int(headers.split("content-length:")[1].split("\r\n")[0])
+            payload = await self.reader.readexactly(length)
+        elapsed = time.perf_counter() - t0
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {payload[:300]!r}")
+        self.messages += [{"role": "assistant", "content": REPLY},
+                          {"role": "user", "content": f"And then ({self.turn})?"}]  # fmt: skip
+        self.turn += 1
+        return elapsed
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def run_phase(streams: list[Stream], duration: float, rate: float | None) -> dict[str, Any]:
+    lat: list[float] = []
+    stop = time.perf_counter() + duration
+    interval = len(streams) / rate if rate else 0.0
+
+    async def loop(s: Stream, offset: float) -> None:
+        nxt = time.perf_counter() + offset
+        while True:
+            if interval:
+                delay = nxt - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                nxt += interval
+            if time.perf_counter() >= stop:
+                return
+            lat.append(await s.call())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop(s, i * interval / len(streams)) for i, s in enumerate(streams)))
+    wall = time.perf_counter() - t0
+    lat.sort()
+    n = len(lat)
+    return {"n": n, "rps": n / wall, "p50_ms": 1000 * lat[n // 2],
+            "p99_ms": 1000 * lat[min(n - 1, int(n * 0.99))]}  # fmt: skip
+
+
+def make_streams(target: str, port: int, rollouts: list[dict[str, Any]], n: int) -> list[Stream]:
+    if target == "proxy":
+        return [Stream("127.0.0.1", port, f"/rollouts/{r['rollout_id']}/v1/chat/completions",
+                       r["token"], i) for i, r in enumerate(rollouts[:n])]  # fmt: skip
+    return [Stream("127.0.0.1", port, "/v1/chat/completions", "sk-bench", i) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def model_dir(path: str | None) -> Path:
+    target = Path(path) if path else ROOT / ".rollstream" / "models" / "tiny"
+    if not (target / "tokenizer.json").is_file():
+        from rollstream.producers.tinymodel import ensure_tiny_model
+
+        ensure_tiny_model(target)
+    return target
+
+
+def start_litellm(exe: str | None, backend_port: int, work: Path) -> tuple[Any, int, str]:
+    """(process, port, error). The binary: --litellm, else `litellm` next to this Python or
+    on PATH."""
+    candidates = [exe] if exe else [str(Path(sys.executable).with_name("litellm")), "litellm"]
+    binary = next((c for c in candidates if c and shutil.which(c)), None)
+    if binary is None:
+        return None, 0, "litellm is not installed (pip install 'litellm[proxy]')"
+    port = free_port()
+    cfg = work / "litellm.yaml"
+    cfg.write_text(
+        "model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
+        f"      api_base: http://127.0.0.1:{backend_port}/v1\n      api_key: sk-fake\n"
+        "litellm_settings:\n  telemetry: false\n  drop_params: true\n"
+    )
+    env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": "sk-bench"}  # fmt: skip
+    out = (work / "litellm.log").open("wb")
+    proc = subprocess.Popen([binary, "--config", str(cfg), "--port", str(port), "--num_workers",
+                             "1"], stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    return proc, port, ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=None, help="seconds per phase")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--rate", type=float, default=200.0, help="paced phase, requests/s in total")
+    ap.add_argument("--litellm", default=None)
+    ap.add_argument("--bootstrap", default=None, help="record to this Kafka broker")
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-proxy", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reply-ids", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_fake:
+        return serve_fake(args.serve_fake, [int(x) for x in args.reply_ids.split(",")])
+    if args.serve_proxy:
+        return serve_proxy(args.serve_proxy, args.backend, args.model_path, args.bootstrap)
+
+    duration = args.duration or (1.5 if args.quick else 10.0)
+    rounds = args.rounds or (1 if args.quick else 3)
+    deadline = time.monotonic() + (27.0 if args.quick else 600.0)  # LiteLLM's startup budget
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        t_start = time.monotonic()
+        fport, pport = free_port(), free_port()
+        lite, lport, lite_error = start_litellm(args.litellm, fport, work)  # slow: start first
+        mpath = model_dir(args.model_path)
+        from rollstream.producers.chat import ChatTemplate
+
+        chat = ChatTemplate.from_dir(mpath)
+        reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
+        me = [sys.executable, str(Path(__file__).resolve())]
+        fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
+                      ",".join(map(str, reply_ids))], work / "fake.log")  # fmt: skip
+        proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
+                       "--model-path", str(mpath)]
+                      + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
+                      work / "proxy.log")  # fmt: skip
+        procs = [p for p in (fake, proxy, lite) if p is not None]
+        try:
+            assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "fake backend"
+            ok = wait_http(f"http://127.0.0.1:{pport}/health", proxy, 90)
+            assert ok, (work / "proxy.log").read_text()[-2000:]
+            targets = {"direct": fport, "proxy": pport}
+            if lite is not None:
+                targets["litellm"] = lport  # measured last, if it is up by then
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            rollouts = [httpx.post(f"http://127.0.0.1:{pport}/v1/rollouts", headers=admin,
+                                   json={"task_id": f"b{i}", "group_id": "bench"}).json()
+                        for i in range(args.streams)]  # fmt: skip
+            pids = {"direct": [fake.pid], "proxy": [proxy.pid, fake.pid]}
+            if lite is not None:
+                pids["litellm"] = [lite.pid, fake.pid]
+            results: dict[str, dict[str, list[dict[str, Any]]]] = {
+                t: {"closed": [], "paced": []} for t in targets
+            }
+
+            async def measure() -> None:
+                try:
+                    import uvloop  # the load generator must not be the bottleneck
+
+                    uvloop.install()
+                except ImportError:
+                    pass
+                for _ in range(rounds):
+                    for target, port in list(targets.items()):
+                        if target == "litellm" and not results[target]["closed"]:
+                            url = f"http://127.0.0.1:{port}/health/liveliness"
+                            left = max(1.0, deadline - time.monotonic() - 4 * duration)
+                            if not await asyncio.to_thread(wait_http, url, lite, left):
+                                del targets[target], results[target]
+                                break
+                        for mode, rate in (("closed", None), ("paced", args.rate)):
+                            streams = make_streams(target, port, rollouts, args.streams)
+                            await run_phase(streams[:4], 0.2, None)  # warm connections
+                            cpu0 = {p.pid: cpu_seconds(p.pid) for p in procs}
+                            res = await run_phase(streams, duration, rate)
+                            server = pids[target]  # the process that answers this target
+                            res["cpu_ms_per_call"] = (
+                                1000
+                                * sum(cpu_seconds(pid) - cpu0[pid] for pid in server)
+                                / max(1, res["n"])
+                            )
+                            results[target][mode].append(res)
+                            for s in streams:
+                                s.close()
+
+            asyncio.run(measure())
+            status = httpx.get(f"http://127.0.0.1:{pport}/v1/admin/status", headers=admin).json()
+            work_log = (work / "litellm.log").read_text(errors="replace") if lite else None
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    def med(target: str, mode: str, key: str) -> float:
+        return round(statistics.median(r[key] for r in results[target][mode]), 3)
+
+    out: dict[str, Any] = {
+        "streams": args.streams, "rate": args.rate, "duration_s": duration, "rounds": rounds,
+        "recording": "kafka" if args.bootstrap else "memory",
+    }  # fmt: skip
+    for target in targets:
+        for mode in ("closed", "paced"):
+            for key in ("p50_ms", "p99_ms", "rps", "cpu_ms_per_call"):
+                out[f"{target}_{mode}_{key}"] = med(target, mode, key)
+    for target in [t for t in targets if t != "direct"]:
+        for mode in ("closed", "paced"):
+            out[f"{target}_{mode}_added_cpu_ms_per_call"] = round(
+                out[f"{target}_{mode}_cpu_ms_per_call"] - out[f"direct_{mode}_cpu_ms_per_call"], 3
+            )
+            for q in ("p50", "p99"):
+                out[f"{target}_{mode}_added_{q}_ms"] = round(
+                    out[f"{target}_{mode}_{q}_ms"] - out[f"direct_{mode}_{q}_ms"], 3
+                )
+            out[f"{target}_{mode}_throughput_ratio"] = round(
+                out[f"{target}_closed_rps"] / out["direct_closed_rps"], 3
+            ) if mode == "closed" else None  # fmt: skip
+    out["proxy_events_submitted"] = status["delivery"]["submitted"]
+    out["proxy_calls"] = status["stats"]["completed"]
+    if lite is not None and "litellm" not in targets:
+        log = (work_log or "")[-600:]
+        lite_error = f"litellm did not answer /health/liveliness in time: {log}"
+    out["litellm"] = "measured" if "litellm" in targets else lite_error
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    print(f"{'target':8} {'mode':6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'cpu ms/call':>11}")
+    for target in targets:
+        for mode in ("closed", "paced"):
+            p50, p99 = out[f"{target}_{mode}_p50_ms"], out[f"{target}_{mode}_p99_ms"]
+            rps, cpu = out[f"{target}_{mode}_rps"], out[f"{target}_{mode}_cpu_ms_per_call"]
+            print(f"{target:8} {mode:6} {p50:8.2f} {p99:8.2f} {rps:8.0f} {cpu:11.3f}")
+    print(json.dumps({k: v for k, v in out.items() if v is not None}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,610 @@
+"""The recording proxy end to end: the real `openai` client -> proxy (uvicorn) -> reference model
+server (subprocess) or a scripted vLLM-shaped backend; events read back from the real Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rollstream.producers import ContextTrie, Recorder
+from rollstream.producers.chat import ChatTemplate
+from rollstream.producers.proxy import ProxySettings, create_app
+from rollstream.producers.tinymodel import ensure_tiny_model
+from rollstream.schemas import Codec, CommonSettings, Event, LlmCall, RolloutError, ToolCall
+
+pytestmark = pytest.mark.integration
+
+ADMIN = "admin-key-for-tests"
+codec = Codec()
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def start_model_server(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "ROLLSTREAM_MODEL_PATH": str(model_dir),
+           "ROLLSTREAM_MODEL_PORT": str(port), "ROLLSTREAM_MODEL_CREATE": "false"}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "rollstream.producers.model_server"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "model server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("model server did not come up")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def model_server(model_dir: Path) -> Iterator[str]:
+    proc, url = start_model_server(model_dir)
+    yield url
+    stop(proc)
+
+
+class ScriptedBackend:
+    """A vLLM-shaped completion server that answers scripted token ids (to force exact
+    tokenizations: tool calls, non-canonical splits) and records what it was asked."""
+
+    def __init__(self) -> None:
+        self.script: deque[list[int]] = deque()
+        self.prompts: list[list[int]] = []
+        self.default: list[int] = [2]
+        self.delay = 0.0
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.prompts.append(body["prompt"])
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        ids = self.script.popleft() if self.script else self.default
+        return JSONResponse({"model": "scripted", "policy_version": 0, "choices": [{
+            "token_ids": ids, "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-1.0] * len(ids)}}],
+            "usage": {"prompt_tokens": len(body["prompt"])}})  # fmt: skip
+
+    def app(self) -> Starlette:
+        async def ok(request: Request) -> Response:
+            return JSONResponse({"policy_version": 0})
+
+        return Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", ok), Route("/v1/policy_version", ok),
+        ])  # fmt: skip
+
+
+def proxy_settings(common: CommonSettings, tmp_path: Path, model_dir: Path,
+                   backends: list[str], **kw: Any) -> ProxySettings:  # fmt: skip
+    kw.setdefault("proxy_health_interval_s", 0.5)
+    return ProxySettings(
+        **common.model_dump(), spool_dir=tmp_path / "spool", producer="proxy-it",
+        proxy_backends=backends, proxy_model_path=model_dir, proxy_api_keys=[ADMIN],
+        proxy_token_secret="secret-for-integration-tests", **kw,
+    )  # fmt: skip
+
+
+@contextmanager
+def running_proxy(settings: ProxySettings) -> Iterator[tuple[str, Recorder, Any]]:
+    recorder = Recorder(settings)
+    app = create_app(settings, recorder=recorder)
+    try:
+        with serve(app) as url:
+            yield url, recorder, app.state.proxy
+    finally:
+        recorder.close(30)
+
+
+def create_rollout(url: str, **body: Any) -> dict[str, Any]:
+    body.setdefault("task_id", "t1")
+    body.setdefault("group_id", "g1")
+    r = httpx.post(f"{url}/v1/rollouts", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def consume(settings: CommonSettings, timeout: float = 60.0) -> list[Event]:
+    """Every event on the events topic (up to the high watermarks now), in offset order."""
+    topic = settings.topics().events
+    consumer = Consumer({**settings.kafka_config(), "group.id": f"it-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})  # fmt: skip
+    try:
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        ends = {}
+        for p in parts:
+            for attempt in range(20):  # a loaded broker may still be electing leaders
+                try:
+                    low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), 30)
+                    break
+                except KafkaException:
+                    if attempt == 19:
+                        raise
+                    time.sleep(0.5)
+            if high > low:
+                ends[p] = high
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        out: list[Event] = []
+        deadline = time.monotonic() + timeout
+        while ends and time.monotonic() < deadline:
+            for msg in consumer.consume(1000, 1.0):
+                if msg.error():
+                    continue
+                out.append(codec.decode(msg.value()))
+                if msg.offset() >= ends.get(msg.partition(), 0) - 1:
+                    ends.pop(msg.partition(), None)
+        assert not ends, f"partitions not read to the end: {ends}"
+        return out
+    finally:
+        consumer.close()
+
+
+def by_rollout(events: list[Event]) -> dict[str, list[Event]]:
+    out: dict[str, list[Event]] = {}
+    for e in events:
+        out.setdefault(e.rollout_id, []).append(e)
+    for evs in out.values():
+        evs.sort(key=lambda e: e.seq)
+        assert [e.seq for e in evs] == list(range(len(evs)))
+    return out
+
+
+def calls_of(events: list[Event]) -> list[LlmCall]:
+    return [e.body for e in events if isinstance(e.body, LlmCall)]
+
+
+def full_prompts(calls: list[LlmCall]) -> list[np.ndarray]:
+    """Rebuild every call's full prompt from the wire deltas (as a consumer would)."""
+    trie = ContextTrie()
+    return [trie.add_delta(c.call_id, c.parent_call_id, c.prefix_len, c.prompt_delta,
+                           c.completion_ids) for c in calls]  # fmt: skip
+
+
+def assert_append_only(calls: list[LlmCall]) -> list[np.ndarray]:
+    prompts = full_prompts(calls)
+    for prev, call, prompt, prev_prompt in zip(
+        calls, calls[1:], prompts[1:], prompts, strict=False
+    ):
+        seq = np.concatenate([prev_prompt, prev.completion_ids])
+        assert call.parent_call_id == prev.call_id
+        assert call.prefix_len == len(seq)  # the whole previous sequence is shared
+        assert np.array_equal(prompt[: len(seq)], seq)
+    return prompts
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_openai_client_multi_turn_with_tools(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path, model_server: str
+) -> None:
+    settings = proxy_settings(kafka_settings, tmp_path, model_dir, [model_server])
+    with running_proxy(settings) as (url, recorder, _):
+        ro = create_rollout(url, task_id="weather", group_id="g-weather", metadata={"k": "v"})
+        client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+        assert client.models.list().data[0].id == "rollstream-tiny"
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You answer with tools."},
+                                      {"role": "user", "content": "Weather in Paris?"}]  # fmt: skip
+        backend_ids, seeds = [], [11, 12, 13]
+        for turn, seed in enumerate(seeds):
+            resp = client.chat.completions.create(
+                model="rollstream-tiny", messages=msgs, tools=TOOLS, max_tokens=12, seed=seed,
+                temperature=1.0, extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            choice = resp.choices[0]
+            backend_ids.append(choice.model_extra["token_ids"])
+            msgs.append(choice.message.model_dump(exclude_none=True))
+            if turn == 0:  # the harness calls a tool, and the model reads the result
+                fn = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+                call = {"id": "call_h1", "type": "function", "function": fn}
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                msgs.append({"role": "tool", "tool_call_id": "call_h1", "content": "sunny, 21C"})
+            else:
+                msgs.append({"role": "user", "content": f"and turn {turn}?"})
+        auth = {"Authorization": f"Bearer {ro['token']}"}
+        last_call = resp.model_extra["rollstream"]["call_id"]
+        tool = {"name": "get_weather", "arguments": {"city": "Paris"}, "result": "sunny, 21C",
+                "duration_ms": 3.5, "at_call_id": last_call}  # fmt: skip
+        r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/tool_calls", json=tool, headers=auth)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/rewards", json={"value": 1.0},
+                       headers=auth)  # fmt: skip
+        assert r.status_code == 200
+        r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/finish", json={},
+                       headers={"Authorization": f"Bearer {ro['token']}"})  # fmt: skip
+        assert r.json()["finished"] is True
+        assert recorder.flush(30)
+
+    events = by_rollout(consume(kafka_settings))[ro["rollout_id"]]
+    kinds = [e.kind for e in events]
+    assert kinds == ["RolloutStarted", "LlmCall", "LlmCall", "LlmCall", "ToolCall", "Reward",
+                     "RolloutFinished"]  # fmt: skip
+    (tool_event,) = [e.body for e in events if isinstance(e.body, ToolCall)]
+    assert (tool_event.name, tool_event.result) == ("get_weather", "sunny, 21C")
+    assert tool_event.at_call_id == calls_of(events)[-1].call_id
+    assert events[0].body.task_id == "weather" and events[0].body.metadata == {"k": "v"}
+    calls = calls_of(events)
+    prompts = assert_append_only(calls)
+    for call, prompt, ids, seed in zip(calls, prompts, backend_ids, seeds, strict=True):
+        assert call.completion_ids.tolist() == ids
+        assert call.backend == model_server and call.policy_version == 0
+        assert call.latency_ms > 0 and call.usage.prompt_tokens == len(prompt)
+        # the backend, asked directly with the recorded prompt, samples the recorded tokens
+        direct = httpx.post(f"{model_server}/v1/completions", json={
+            "prompt": prompt.tolist(), "max_tokens": 12, "seed": seed, "temperature": 1.0,
+            "return_token_ids": True, "skip_special_tokens": False}).json()  # fmt: skip
+        assert direct["choices"][0]["token_ids"] == call.completion_ids.tolist()
+    # the harness's tool call and the tool result were rendered into the third prompt
+    chat = ChatTemplate.from_dir(model_dir)
+    text = chat.decode(prompts[1], skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<|im_start|>tool\nsunny, 21C<|im_end|>" in text
+
+
+def test_streaming_chain(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path, model_server: str
+) -> None:
+    settings = proxy_settings(kafka_settings, tmp_path, model_dir, [model_server])
+    with running_proxy(settings) as (url, recorder, _):
+        ro = create_rollout(url)
+        client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "Tell me a story."}]
+        streamed = []
+        for turn in range(3):
+            stream = client.chat.completions.create(
+                model="m", messages=msgs, max_tokens=10, seed=turn, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            chunks = list(stream)
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            assert finish in ("stop", "length")
+            streamed.append(text)
+            msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+        assert recorder.flush(30)
+
+    calls = calls_of(by_rollout(consume(kafka_settings))[ro["rollout_id"]])
+    assert len(calls) == 3
+    assert_append_only(calls)
+    chat = ChatTemplate.from_dir(model_dir)
+    assert [chat.decode(c.completion_ids) for c in calls] == streamed
+
+
+def test_tool_calls_and_drift_with_scripted_backend(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path
+) -> None:
+    chat = ChatTemplate.from_dir(model_dir)
+    eos = chat.eos_id
+    hello = [chat.tokenizer.token_to_id(c) for c in "Hello"] + [eos]  # H e l l o: not BPE's way
+    assert chat.encode("Hello").tolist() != hello[:-1]
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    tool_ids = [*chat.encode(call_text).tolist(), eos]
+    backend = ScriptedBackend()
+    backend.script.extend([hello, tool_ids, [*chat.encode("Done.").tolist(), eos]])
+    with serve(backend.app()) as burl:
+        settings = proxy_settings(kafka_settings, tmp_path, model_dir, [burl])
+        with running_proxy(settings) as (url, recorder, _):
+            ro = create_rollout(url)
+            client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+            msgs: list[dict[str, Any]] = [{"role": "user", "content": "Greet me"}]
+            r1 = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            assert r1.choices[0].message.content == "Hello"
+            msgs += [r1.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "Weather in Oslo?"}]  # fmt: skip
+            r2 = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            (tc,) = r2.choices[0].message.tool_calls
+            assert r2.choices[0].finish_reason == "tool_calls"
+            assert (tc.function.name, tc.function.arguments) == ("get_weather", '{"city": "Oslo"}')
+            msgs += [r2.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tc.id, "content": "snow"}]  # fmt: skip
+            r3 = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            assert r3.choices[0].message.content == "Done."
+            assert r2.model_extra["rollstream"]["drift_tokens"] > 0
+            assert recorder.flush(30)
+
+    events = by_rollout(consume(kafka_settings))[ro["rollout_id"]]
+    calls = calls_of(events)
+    prompts = assert_append_only(calls)
+    assert backend.prompts == [p.tolist() for p in prompts]  # what the backend got
+    retok = [*chat.encode("Hello").tolist(), eos]
+    shared = next(i for i, (x, y) in enumerate(zip(hello, retok, strict=False)) if x != y)
+    assert calls[1].drift_tokens == max(len(hello), len(retok)) - shared > 0
+    assert calls[0].drift_tokens == 0 and calls[2].drift_tokens == 0  # tool call: canonical
+    assert prompts[1][len(prompts[0]) : len(prompts[0]) + len(hello)].tolist() == hello
+    (tool_event,) = [e.body for e in events if isinstance(e.body, ToolCall)]
+    assert (tool_event.tool_call_id, tool_event.name, tool_event.result) == (
+        tc.id,
+        "get_weather",
+        "snow",
+    )
+    assert tool_event.at_call_id == calls[1].call_id
+
+
+def test_edited_history_is_a_rewind(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path
+) -> None:
+    chat = ChatTemplate.from_dir(model_dir)
+    backend = ScriptedBackend()
+    backend.default = [*chat.encode("Sure thing.").tolist(), chat.eos_id]
+    with serve(backend.app()) as burl:
+        settings = proxy_settings(kafka_settings, tmp_path, model_dir, [burl])
+        with running_proxy(settings) as (url, recorder, _):
+            ro = create_rollout(url)
+            client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+            msgs: list[dict[str, Any]] = [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "First question"},
+            ]
+            for q in ("Second question", "Third question"):
+                r = client.chat.completions.create(model="m", messages=msgs)
+                msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": q}]  # fmt: skip
+            client.chat.completions.create(model="m", messages=msgs)
+            edited = [msgs[0], {"role": "user", "content": "First question, edited"}, *msgs[2:]]
+            client.chat.completions.create(model="m", messages=edited)
+            assert recorder.flush(30)
+
+    calls = calls_of(by_rollout(consume(kafka_settings))[ro["rollout_id"]])
+    prompts = full_prompts(calls)
+    assert_append_only(calls[:3])
+    rewind = calls[3]
+    assert np.array_equal(prompts[3], np.asarray(backend.prompts[3], dtype=np.uint32))
+    parent = calls[[c.call_id for c in calls].index(rewind.parent_call_id)]
+    parent_seq = np.concatenate([prompts[calls.index(parent)], parent.completion_ids])
+    shared = int(np.argmax(parent_seq[: len(prompts[3])] != prompts[3][: len(parent_seq)]))
+    assert rewind.prefix_len == shared < len(parent_seq)  # a rewind to the edit point
+    system_len = len(chat.encode(chat.render([msgs[0]], None, False)))
+    assert system_len <= rewind.prefix_len < len(prompts[0])
+    assert len(rewind.prompt_delta) == len(prompts[3]) - shared
+
+
+def test_pool_failover_when_a_backend_is_killed(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path
+) -> None:
+    (pa, ua), (pb, ub) = start_model_server(model_dir), start_model_server(model_dir)
+    try:
+        settings = proxy_settings(kafka_settings, tmp_path, model_dir, [ua, ub])
+        with running_proxy(settings) as (url, recorder, proxy):
+            rollouts = [create_rollout(url, task_id=f"t{i}") for i in range(6)]
+
+            async def harness(ro: dict[str, Any], gate: asyncio.Event, done1: asyncio.Event) -> int:
+                client = openai.AsyncOpenAI(
+                    base_url=ro["base_url"], api_key=ro["token"], max_retries=0
+                )
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": "Count with me"}]
+                for turn in range(4):
+                    if turn == 1:
+                        done1.set()
+                        await gate.wait()
+                    r = await client.chat.completions.create(model="m", messages=msgs,
+                                                             max_tokens=6, seed=turn)  # fmt: skip
+                    msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": f"next {turn}"}]  # fmt: skip
+                await client.close()
+                return 4
+
+            async def main() -> list[int]:
+                gate = asyncio.Event()
+                firsts = [asyncio.Event() for _ in rollouts]
+                tasks = [
+                    asyncio.create_task(harness(ro, gate, f))
+                    for ro, f in zip(rollouts, firsts, strict=True)
+                ]
+                await asyncio.gather(*(f.wait() for f in firsts))
+                homes = {
+                    ro["rollout_id"]: proxy.pool.backend_of(ro["rollout_id"]) for ro in rollouts
+                }
+                assert set(homes.values()) == {ua, ub}  # spread over both
+                gate.set()
+                await asyncio.sleep(0.05)  # second calls in flight
+                pa.send_signal(signal.SIGKILL)  # one backend dies with rollouts pinned to it
+                return await asyncio.gather(*tasks)
+
+            assert asyncio.run(main()) == [4] * 6
+            st = proxy.pool.stats
+            assert st.moved == 3 and st.completed == 24
+            for ro in rollouts:
+                assert proxy.pool.backend_of(ro["rollout_id"]) == ub
+                proxy.rollouts.finish(ro["rollout_id"], "completed")
+            assert recorder.flush(30)
+    finally:
+        stop(pa)
+        stop(pb)
+
+    grouped = by_rollout(consume(kafka_settings))
+    assert len(grouped) == 6
+    for evs in grouped.values():
+        calls = calls_of(evs)
+        assert len(calls) == 4  # no call lost
+        assert_append_only(calls)
+        assert calls[-1].backend == ub
+        assert not any(isinstance(e.body, RolloutError) for e in evs)
+
+
+def test_pause_drain_resume_and_weight_update_under_load(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path, model_server: str
+) -> None:
+    settings = proxy_settings(kafka_settings, tmp_path, model_dir, [model_server])
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with running_proxy(settings) as (url, recorder, proxy):
+        rollouts = [create_rollout(url, task_id=f"t{i}") for i in range(4)]
+        finished_at: list[float] = []
+        failures: list[BaseException] = []
+
+        async def harness(ro: dict[str, Any], stop_at: asyncio.Event) -> None:
+            client = openai.AsyncOpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+            msgs: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+            while not stop_at.is_set():
+                try:
+                    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+                except openai.OpenAIError as exc:
+                    failures.append(exc)
+                    return
+                finished_at.append(time.monotonic())
+                msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "again"}]  # fmt: skip
+            await client.close()
+
+        async def main() -> None:
+            stop_at = asyncio.Event()
+            tasks = [asyncio.create_task(harness(ro, stop_at)) for ro in rollouts]
+            async with httpx.AsyncClient(base_url=url, headers=admin, timeout=60) as http:
+                await asyncio.sleep(1.0)
+                r = await http.post("/v1/admin/pause", params={"drain": "true"})
+                assert r.json() == {"paused": True, "drained": True, "inflight": 0}
+                dispatched = proxy.pool.stats.dispatched
+                await asyncio.sleep(0.3)  # answers of the drained calls reach the clients
+                answered = len(finished_at)
+                await asyncio.sleep(1.0)
+                assert proxy.pool.stats.dispatched == dispatched  # nothing went to the backend
+                assert len(finished_at) == answered  # and nothing was answered
+                assert (await http.post("/v1/admin/resume")).json() == {"paused": False}
+                await asyncio.sleep(0.5)
+                r = await http.post("/v1/admin/update_weights",
+                                    json={"path": str(model_dir), "version": 1})  # fmt: skip
+                assert r.status_code == 200 and r.json()["reloaded"] == 1, r.text
+                await asyncio.sleep(1.0)
+                status = (await http.get("/v1/admin/status")).json()
+                assert status["policy_version"] == 1 and status["stats"]["paused_waits"] > 0
+            stop_at.set()
+            await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+        assert failures == []
+        for ro in rollouts:
+            proxy.rollouts.finish(ro["rollout_id"], "completed")
+        assert recorder.flush(30)
+
+    grouped = by_rollout(consume(kafka_settings))
+    versions = []
+    for evs in grouped.values():
+        calls = calls_of(evs)
+        assert_append_only(calls)
+        mine = [c.policy_version for c in calls]
+        assert mine == sorted(mine)  # version 0, then 1 after the update
+        versions += mine
+        assert not any(isinstance(e.body, RolloutError) for e in evs)
+    assert versions.count(1) > 0 and versions.count(0) > 0
+
+
+def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path) -> None:
+    backend = ScriptedBackend()
+    with serve(backend.app()) as burl:
+        dead = f"http://127.0.0.1:{free_port()}"
+        settings = proxy_settings(kafka_settings, tmp_path, model_dir, [burl],
+                                  proxy_max_body_bytes=4096, proxy_max_prompt_tokens=200,
+                                  proxy_backend_wait_s=0.5, proxy_health_interval_s=60)  # fmt: skip
+        with running_proxy(settings) as (url, recorder, proxy):
+            a, b = create_rollout(url), create_rollout(url)
+            chat_a = f"{a['base_url']}/chat/completions"
+            auth = {"Authorization": f"Bearer {a['token']}"}
+            ok = {"messages": [{"role": "user", "content": "hi"}]}
+
+            def post(u: str, **kw: Any) -> tuple[int, dict[str, Any]]:
+                r = httpx.post(u, **kw)
+                body = r.json()
+                if r.status_code != 200:
+                    assert set(body["error"]) == {"message", "type", "param", "code"}
+                return r.status_code, body
+
+            assert post(chat_a, content=b"{not json", headers=auth)[0] == 400
+            status, body = post(chat_a, json={"messages": [{"role": "user"}]}, headers=auth)
+            assert status == 400 and body["error"]["param"] == "messages[0].content"
+            status, body = post(chat_a, json={**ok, "temperature": "hot"}, headers=auth)
+            assert status == 400 and body["error"]["param"] == "temperature"
+            assert post(chat_a, json=ok)[0] == 401
+            assert post(chat_a, json=ok, headers={"Authorization": "Bearer rs1.x.y"})[0] == 401
+            status, body = post(chat_a, json=ok, headers={"Authorization": f"Bearer {b['token']}"})
+            assert status == 403 and body["error"]["code"] == "forbidden"
+            big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+            assert post(chat_a, json=big, headers=auth)[0] == 413
+            long = {"messages": [{"role": "user", "content": "word " * 300}]}
+            status, body = post(chat_a, json=long, headers=auth)
+            assert status == 413 and body["error"]["code"] == "too_many_tokens"
+            assert post(f"{url}/rollouts/nope/v1/chat/completions", json=ok,
+                        headers={"Authorization": f"Bearer {ADMIN}"})[0] == 404  # fmt: skip
+            assert post(f"{url}/v1/rollouts", json={"task_id": "x"})[0] == 401
+            assert post(chat_a, json=ok, headers=auth)[0] == 200  # the unscoped URL works too
+            assert post(f"{url}/v1/chat/completions", json=ok, headers=auth)[0] == 200
+            assert httpx.get(f"{url}/openapi.json").json()["openapi"].startswith("3.")
+            # backend down: 503, recorded as a RolloutError
+            proxy.pool.members[0].backend.base_url = dead
+            status, body = post(chat_a, json=ok, headers=auth)
+            assert status == 503 and body["error"]["code"] == "backend_unavailable"
+            proxy.pool.members[0].backend.base_url = burl
+            post(f"{url}/v1/rollouts/{a['rollout_id']}/finish", json={"status": "failed"},
+                 headers=auth)  # fmt: skip
+            status, body = post(chat_a, json=ok, headers=auth)
+            assert status == 409 and body["error"]["code"] == "rollout_finished"
+            assert recorder.flush(30)
+
+    events = by_rollout(consume(kafka_settings))[a["rollout_id"]]
+    (err,) = [e.body for e in events if isinstance(e.body, RolloutError)]
+    assert err.code == 503 and err.backend == burl and err.call_id
+    assert [e.kind for e in events][-1] == "RolloutFinished"
+    assert len(calls_of(events)) == 2

@@ -1,0 +1,304 @@
+"""Chat rendering and retokenization-safe bookkeeping (producers/chat.py), with the tiny model's
+real tokenizer and ChatML template."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollstream.producers.chat import (
+    ChatInputError,
+    ChatMemory,
+    ChatTemplate,
+    ChatTemplateError,
+    message_key,
+    normalize_messages,
+    normalize_tools,
+    parse_reply,
+    render_prompt,
+    tool_results,
+)
+from rollstream.producers.tinymodel import CHAT_TEMPLATE, train_tokenizer
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+
+
+@pytest.fixture(scope="module")
+def hf_tok() -> Any:
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat(hf_tok: Any) -> ChatTemplate:
+    return ChatTemplate(
+        hf_tok.backend_tokenizer, CHAT_TEMPLATE,
+        special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        max_model_len=2048,
+    )  # fmt: skip
+
+
+def ids_of(chat: ChatTemplate, pieces: list[str]) -> np.ndarray:
+    """A NON-canonical tokenization: each piece one token (single characters are always in a
+    byte-level vocabulary), e.g. "Hello" as H e l l o."""
+    return np.array([chat.tokenizer.token_to_id(p) for p in pieces], dtype=np.uint32)
+
+
+def byte_ids(chat: ChatTemplate, text: str) -> np.ndarray:
+    return ids_of(chat, list(text.replace(" ", "Ġ"))) if text else np.zeros(0, np.uint32)
+
+
+def eos(chat: ChatTemplate) -> np.ndarray:
+    assert chat.eos_id is not None
+    return np.array([chat.eos_id], dtype=np.uint32)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": [{"type": "text", "text": "Weather "},
+                                  {"type": "text", "text": "in Paris?"}]}],
+    [{"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Paris?"},
+     {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+def test_render_matches_transformers(
+    chat: ChatTemplate, hf_tok: Any, conv: Any, tools: Any
+) -> None:
+    messages = normalize_messages(conv)
+    ours = chat.render(messages, tools, True)
+    theirs = hf_tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert ours == theirs
+    prompt = render_prompt(chat, ChatMemory(), messages, tools)
+    assert prompt.ids.tolist() == hf_tok(theirs, add_special_tokens=False)["input_ids"]
+    assert prompt.reused == 0 and prompt.drift_tokens == 0
+
+
+def test_generated_ids_are_spliced_and_drift_counted_once(chat: ChatTemplate) -> None:
+    mem = ChatMemory()
+    msgs = normalize_messages([{"role": "user", "content": "Say hello"}])
+    p1 = render_prompt(chat, mem, msgs)
+    gen = np.concatenate([byte_ids(chat, "Hello world"), eos(chat)])  # not how BPE writes it
+    reply = parse_reply(chat, gen, tools_enabled=False)
+    assert reply.content == "Hello world"
+    mem.remember(len(msgs), reply, gen, "c1")
+
+    msgs2 = normalize_messages([*msgs, reply.message(), {"role": "user", "content": "again"}])
+    p2 = render_prompt(chat, mem, msgs2)
+    seq1 = np.concatenate([p1.ids, gen])
+    assert p2.ids[: len(seq1)].tolist() == seq1.tolist()  # append-only: the sampled ids
+    naive = chat.encode(chat.render(msgs2, None, True))
+    assert naive.tolist() != p2.ids.tolist()  # re-tokenizing would have lost them
+    retok = [*chat.encode("Hello world").tolist(), chat.eos_id]
+    expected = max(len(gen), len(retok)) - next(
+        i for i, (a, b) in enumerate(zip(gen.tolist(), retok, strict=False)) if a != b
+    )
+    assert p2.drift_tokens == expected > 0
+    assert p2.reused == 1
+
+    gen2 = np.concatenate([chat.encode("Fine."), eos(chat)])  # canonical: no drift
+    reply2 = parse_reply(chat, gen2, tools_enabled=False)
+    mem.remember(len(msgs2), reply2, gen2, "c2")
+    msgs3 = normalize_messages([*msgs2, reply2.message(), {"role": "user", "content": "bye"}])
+    p3 = render_prompt(chat, mem, msgs3)
+    seq2 = np.concatenate([p2.ids, gen2])
+    assert p3.ids[: len(seq2)].tolist() == seq2.tolist()
+    assert p3.drift_tokens == 0 and p3.reused == 2  # the first reply is not counted again
+    assert mem.drift_tokens == expected and mem.drift_replies == 1 and mem.reused_replies == 3
+
+
+def test_reply_cut_by_length_keeps_the_template_closing(chat: ChatTemplate) -> None:
+    mem = ChatMemory()
+    msgs = normalize_messages([{"role": "user", "content": "count"}])
+    p1 = render_prompt(chat, mem, msgs)
+    gen = byte_ids(chat, "one two")  # no stop token: finish_reason length
+    reply = parse_reply(chat, gen, tools_enabled=False)
+    mem.remember(len(msgs), reply, gen, "c1")
+    p2 = render_prompt(chat, mem, normalize_messages([*msgs, reply.message()]), None,
+                       add_generation_prompt=False)  # fmt: skip
+    n = len(p1.ids) + len(gen)
+    assert p2.ids[:n].tolist() == [*p1.ids.tolist(), *gen.tolist()]
+    assert chat.decode(p2.ids[n:], skip_special_tokens=False) == "<|im_end|>\n"
+
+
+def test_edited_reply_is_rendered_from_its_text(chat: ChatTemplate) -> None:
+    mem = ChatMemory()
+    msgs = normalize_messages([{"role": "user", "content": "Say hello"}])
+    gen = np.concatenate([byte_ids(chat, "Hello world"), eos(chat)])
+    mem.remember(1, parse_reply(chat, gen, tools_enabled=False), gen, "c1")
+    edited = normalize_messages([*msgs, {"role": "assistant", "content": "Hello, world!"}])
+    p = render_prompt(chat, mem, edited, None, add_generation_prompt=False)
+    assert p.reused == 0 and p.retokenized == 1
+    assert p.ids.tolist() == chat.encode(chat.render(edited, None, False)).tolist()
+
+
+def test_reply_found_by_text_at_another_position(chat: ChatTemplate) -> None:
+    mem = ChatMemory()
+    gen = np.concatenate([byte_ids(chat, "Hi"), eos(chat)])
+    mem.remember(1, parse_reply(chat, gen, tools_enabled=False), gen, "c1")
+    msgs = normalize_messages([{"role": "system", "content": "summary of earlier turns"},
+                               {"role": "user", "content": "x"},
+                               {"role": "assistant", "content": " Hi "}])  # fmt: skip
+    p = render_prompt(chat, mem, msgs, None, add_generation_prompt=False)
+    assert p.reused == 1 and gen.tolist() == p.ids[-len(gen) - 1 : -1].tolist()
+
+
+def test_tool_call_round_trip(chat: ChatTemplate) -> None:
+    mem = ChatMemory()
+    msgs = normalize_messages([{"role": "user", "content": "Weather in Paris?"}])
+    p1 = render_prompt(chat, mem, msgs, TOOLS)
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    gen = np.concatenate([chat.encode(text), eos(chat)])
+    reply = parse_reply(chat, gen, tools_enabled=True)
+    assert reply.content is None and len(reply.tool_calls) == 1
+    call = reply.tool_calls[0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    mem.remember(len(msgs), reply, gen, "c1")
+    # the harness sends the call back with its arguments re-serialised, then the tool result
+    args = json.dumps({"city": "Paris"}, indent=2)
+    back = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function",
+         "function": {"name": "get_weather", "arguments": args}}]}  # fmt: skip
+    msgs2 = normalize_messages([*msgs, back, {"role": "tool", "tool_call_id": call["id"],
+                                              "content": "sunny, 21C"}])  # fmt: skip
+    p2 = render_prompt(chat, mem, msgs2, TOOLS)
+    assert p2.reused == 1
+    assert p2.ids[: len(p1.ids) + len(gen)].tolist() == [*p1.ids.tolist(), *gen.tolist()]
+    results = tool_results(mem, msgs2)
+    assert [(r.name, r.result, r.at_call_id) for r in results] == [
+        ("get_weather", "sunny, 21C", "c1")
+    ]
+    assert tool_results(mem, msgs2) == []  # reported once
+
+
+def test_parse_reply_keeps_invalid_blocks_as_text(chat: ChatTemplate) -> None:
+    text = "let me see <tool_call>{not json}</tool_call>"
+    reply = parse_reply(chat, chat.encode(text), tools_enabled=True)
+    assert reply.tool_calls == [] and reply.content == text
+    good = 'ok <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert parse_reply(chat, chat.encode(good), tools_enabled=False).tool_calls == []
+    both = parse_reply(chat, chat.encode(good), tools_enabled=True)
+    assert both.content == "ok" and both.tool_calls[0]["function"]["arguments"] == "{}"
+
+
+def test_message_key_canonical() -> None:
+    a = message_key(" hi ", [{"function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}])
+    b = message_key("hi", [{"function": {"name": "f", "arguments": '{"a":2,"b":1}'}}])
+    assert a == b
+    assert message_key("hi") != message_key("hi", [{"function": {"name": "f", "arguments": "{}"}}])
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+         "messages[0].content[0]"),
+        ([{"role": "assistant", "tool_calls": [{"function": {}}]}],
+         "messages[0].tool_calls[0].function.name"),
+    ],
+)  # fmt: skip
+def test_normalize_messages_rejects(raw: Any, param: str) -> None:
+    with pytest.raises(ChatInputError) as err:
+        normalize_messages(raw)
+    assert err.value.param == param
+
+
+def test_normalize_tools() -> None:
+    assert normalize_tools(None) is None and normalize_tools([]) is None
+    assert normalize_tools(TOOLS) == TOOLS
+    with pytest.raises(ChatInputError):
+        normalize_tools([{"type": "code_interpreter"}])
+    with pytest.raises(ChatInputError):
+        normalize_tools({"a": 1})
+
+
+def test_template_errors_are_input_errors(hf_tok: Any) -> None:
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    chat = ChatTemplate(hf_tok.backend_tokenizer, strict + "{{ messages[0]['content'] }}")
+    with pytest.raises(ChatInputError, match="user first"):
+        chat.render(normalize_messages([{"role": "system", "content": "x"}]))
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate(hf_tok.backend_tokenizer, "{% if %}")
+
+
+def test_from_dir(tmp_path: Path, hf_tok: Any) -> None:
+    hf_tok.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    chat = ChatTemplate.from_dir(tmp_path)
+    assert chat.max_model_len == 512 and chat.eos_id == hf_tok.convert_tokens_to_ids("<|im_end|>")
+    msgs = normalize_messages([{"role": "user", "content": "hi"}])
+    assert chat.render(msgs) == hf_tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                           tokenize=False)  # fmt: skip
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.from_dir(tmp_path / "missing")
+
+
+def test_piece_cache_is_bounded(chat: ChatTemplate) -> None:
+    mem = ChatMemory(max_pieces=4)
+    for i in range(10):
+        render_prompt(chat, mem, normalize_messages([{"role": "user", "content": f"q{i}"}]))
+    assert len(mem.pieces) == 4
+    mem = ChatMemory(max_piece_chars=100)
+    for i in range(10):
+        render_prompt(chat, mem, normalize_messages([{"role": "user", "content": f"q{i}" * 20}]))
+    assert mem.piece_chars <= 100 and len(mem.pieces) <= 1
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(turns=st.lists(st.lists(st.integers(3, 511), min_size=1, max_size=12), min_size=1,
+                      max_size=4),
+       stop=st.booleans())  # fmt: skip
+def test_any_sampled_ids_give_append_only_prompts(
+    chat: ChatTemplate, turns: list[list[int]], stop: bool
+) -> None:
+    """Whatever the model samples (even ids that decode to broken UTF-8), each prompt extends
+    the previous call's prompt + completion exactly."""
+    mem, msgs = ChatMemory(), [{"role": "user", "content": "start"}]
+    prev: np.ndarray | None = None
+    for i, sampled in enumerate(turns):
+        prompt = render_prompt(chat, mem, normalize_messages(msgs), TOOLS)
+        if prev is not None:
+            assert prompt.ids[: len(prev)].tolist() == prev.tolist()
+        gen = np.asarray(sampled + ([chat.eos_id] if stop else []), dtype=np.uint32)
+        reply = parse_reply(chat, gen, tools_enabled=True)
+        mem.remember(len(msgs), reply, gen, f"c{i}")
+        msgs += [reply.message(), {"role": "user", "content": f"turn {i}"}]
+        prev = np.concatenate([prompt.ids, gen])
+
+
+def test_chat_module_is_pure() -> None:
+    """STYLE 1: chat.py imports no HTTP, Kafka or ClickHouse library."""
+    import rollstream.producers.chat as mod
+
+    tree = ast.parse(Path(mod.__file__).read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    forbidden = {"httpx", "starlette", "uvicorn", "confluent_kafka", "faust", "clickhouse_connect",
+                 "chdb", "aiokafka"}  # fmt: skip
+    assert roots & forbidden == set()
