@@ -20,11 +20,11 @@ class StackSettings(CommonSettings):
     """Local stack. The broker listens on the host/port of ``kafka_bootstrap`` unless
     ``kafka_port`` is set; the KRaft controller on ``kafka_controller_port`` (default port+1)."""
 
-    kafka_port: int | None = None
-    kafka_controller_port: int | None = None
-    kafka_heap: str = "768m"
-    java: str = "java"
-    start_timeout: float = 120.0
+    kafka_port: int | None = None  # broker port (default: the port of KAFKA_BOOTSTRAP)
+    kafka_controller_port: int | None = None  # KRaft controller port (default: port + 1)
+    kafka_heap: str = "768m"  # JVM heap of the broker
+    java: str = "java"  # the Java 17+ executable
+    start_timeout: float = 120.0  # seconds to wait for the broker to answer metadata
 
     def broker_config(self) -> BrokerConfig:
         host, _, port_text = self.kafka_bootstrap.split(",")[0].rpartition(":")
@@ -57,7 +57,9 @@ class StackStatus:
 def up(settings: StackSettings) -> list[str]:
     """Start the broker (if not running) and create missing topics; returns topics created."""
     broker = broker_for(settings)
-    broker.start(timeout=settings.start_timeout)
+    if broker.is_running() or not broker.is_ready(timeout=1.0):
+        broker.start(timeout=settings.start_timeout)
+    # else: a broker we did not start already serves this address (a shared or CI broker): use it
     return ensure_topics(settings)
 
 
