@@ -22,17 +22,17 @@ __all__ = ["CommonSettings", "kafka_client_config"]
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROLLSTREAM_", extra="ignore")
 
-    kafka_bootstrap: str = "127.0.0.1:9092"
-    kafka_security_protocol: str = "PLAINTEXT"
-    kafka_sasl_mechanism: str | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: SecretStr | None = None
-    kafka_ssl_ca_location: str | None = None
-    namespace: str = ""
-    topic_replication: int = 1
-    schema_registry_url: str | None = None
-    clickhouse_url: str = "chdb://.rollstream/clickhouse"
-    home: Path = Path(".rollstream")
+    kafka_bootstrap: str = "127.0.0.1:9092"  # bootstrap servers; the local broker listens here
+    kafka_security_protocol: str = "PLAINTEXT"  # PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL
+    kafka_sasl_mechanism: str | None = None  # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ...
+    kafka_sasl_username: str | None = None  # SASL user
+    kafka_sasl_password: SecretStr | None = None  # SASL password (secret)
+    kafka_ssl_ca_location: str | None = None  # CA bundle for TLS
+    namespace: str = ""  # topic prefix: `ns.rollout.events`; replays run beside live data
+    topic_replication: int = 1  # replication factor of the topics the manager creates
+    schema_registry_url: str | None = None  # Confluent registry framing instead of single-object
+    clickhouse_url: str = "chdb://.rollstream/clickhouse"  # chDB path or http(s):// server
+    home: Path = Path(".rollstream")  # local state: broker data, models, checkpoints, logs
 
     def topics(self) -> Topics:
         return Topics(self.namespace, replication=self.topic_replication)
