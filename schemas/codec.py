@@ -26,7 +26,18 @@ import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from .errors import DecodeError, EncodeError, RegistryError, UnknownSchemaError
-from .events import Event, PolicyVersion, Record, Sample, Trajectory
+from .events import (
+    BODY_TYPES,
+    Event,
+    PolicyVersion,
+    Record,
+    RewardRecord,
+    Sample,
+    Trajectory,
+    TrajectoryNode,
+    Usage,
+)
+from .fastwrite import Writer, compile_writer
 
 __all__ = [
     "AVRO_DIR",
@@ -47,6 +58,11 @@ RECORD_TYPES: dict[str, type[Any]] = {
     "rollstream.Sample": Sample,
 }
 _TYPE_NAMES = {cls: name for name, cls in RECORD_TYPES.items()}
+_RECORD_CLASSES: dict[str, type[Any]] = {
+    **RECORD_TYPES,
+    **BODY_TYPES,
+    **{cls.AVRO_NAME: cls for cls in (Usage, TrajectoryNode, RewardRecord)},
+}
 
 
 def _expand(schema: Any, avro_dir: Path, seen: set[str]) -> Any:
@@ -189,6 +205,7 @@ class Codec:
         self._registry_writers: dict[int, _Schema] = {}
         # a writer schema other than the reader (used to produce old/new versions in tests)
         self._writers: dict[str, _Schema] = {}
+        self._compiled: dict[str, tuple[bytes, Writer]] = {}
         for name, schema_json in (writer_overrides or {}).items():
             fp = self.schemas.add_writer(schema_json)
             self._writers[name] = self.schemas.writers[fp]
@@ -202,7 +219,21 @@ class Codec:
         name = _TYPE_NAMES.get(type(record))
         if name is None:
             raise EncodeError(f"not a top-level rollstream record: {type(record).__name__}")
-        return self.encode_dict(name, record.to_avro())
+        if self.registry is not None or name in self._writers:
+            return self.encode_dict(name, record.to_avro())
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            schema = self.schemas.reader(name)
+            compiled = (
+                SINGLE_OBJECT_MAGIC + schema.fingerprint,
+                compile_writer(schema.json, _RECORD_CLASSES),
+            )
+            self._compiled[name] = compiled
+        header, write = compiled
+        try:
+            return header + write(record)
+        except Exception as exc:  # a value that does not fit its field
+            raise EncodeError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
     def encode_dict(self, name: str, data: dict[str, Any]) -> bytes:
         schema = self._writer(name)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollstream.schemas import (
+    RECORD_TYPES,
     Branch,
     BranchKind,
     Codec,
@@ -374,3 +375,10 @@ def test_registry_framing_round_trip(registry_url: str) -> None:
         reader.decode(b"\x00\x00\x00\x03\xe7" + data[5:])  # id 999 is not registered
     with pytest.raises(UnknownSchemaError):
         CODEC.decode(data)  # no registry configured
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(events, trajectories, samples(), policy_versions))
+def test_compiled_writer_matches_fastavro_byte_for_byte(record: Any) -> None:
+    name = next(n for n, cls in RECORD_TYPES.items() if cls is type(record))
+    assert CODEC.encode(record) == CODEC.encode_dict(name, record.to_avro())
