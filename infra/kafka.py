@@ -250,9 +250,16 @@ class KafkaBroker:
     def _format_if_needed(self) -> None:
         if (self.log_dir / "meta.properties").exists():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        # Kafka's own ids never start with "-" (argparse would read it as an option): same here
+        cluster_id = "-"
+        while cluster_id.startswith("-"):
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         cmd = self._java_cmd(
-            "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.properties_file)
+            "kafka.tools.StorageTool",
+            "format",
+            f"--cluster-id={cluster_id}",
+            "-c",
+            str(self.properties_file),
         )
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
