@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 import uuid
@@ -48,6 +49,7 @@ class DemoSettings(stack.StackSettings):
     demo_sink: bool = True  # also run the ClickHouse sink and show its report
     demo_plot: Path | None = None  # default <home>/demo-reward.png
     demo_seed: int = 0  # model init and task seed
+    demo_sync: bool = False  # strictly alternate: each round waits for the next policy version
 
 
 def _latest_version(results: list[AgentResult]) -> int:
@@ -97,6 +99,28 @@ def plot_rewards(results: list[AgentResult], path: Path) -> Path:
     return path
 
 
+def _wait_for_version(agent: DemoAgent, version: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        status = agent.proxy_status()
+        if int(status.get("policy_version", 0)) >= version:
+            return
+        time.sleep(0.2)
+
+
+def _write_summary(path: Path, settings: DemoSettings, results: list[AgentResult],
+                   loop_s: float) -> None:
+    data = rewards_by_version(results)
+    path.write_text(json.dumps({
+        "mode": "sync" if settings.demo_sync else "async",
+        "namespace": settings.namespace,
+        "steps": _latest_version(results),
+        "loop_s": round(loop_s, 2),
+        "rollouts": len(results),
+        "failed": sum(r.error is not None for r in results),
+        "mean_reward_by_version": {str(k): statistics.fmean(v) for k, v in data.items()},
+    }, indent=1))
+
+
 def _show_sink_report(settings: DemoSettings, url: str, console: Console) -> None:
     """The same numbers, as the ClickHouse sink stored them (rollstream report)."""
     from rollstream.consumers.report_cli import ReportSettings
@@ -137,6 +161,7 @@ def run(settings: DemoSettings) -> int:
         "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
         "ROLLSTREAM_SPOOL_DIR": str(home / "spool" / namespace),
         "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{home / 'clickhouse'}",
+        "ROLLSTREAM_CHECKPOINT_DIR": str(home / namespace / "checkpoints"),
     }
     sup = Supervisor(home / namespace, env)
     results: list[AgentResult] = []
@@ -168,6 +193,7 @@ def run(settings: DemoSettings) -> int:
                           max_tokens=settings.demo_max_tokens)
         tasks = demo_tasks(settings.demo_tasks, settings.demo_seed)
         deadline = t0 + settings.demo_max_minutes * 60
+        loop_t0 = time.monotonic()
         round_no = 0
         with ThreadPoolExecutor(settings.demo_workers) as pool, \
                 Live(reward_table(results), console=console, refresh_per_second=2) as live:
@@ -179,15 +205,20 @@ def run(settings: DemoSettings) -> int:
                                 seed=round_no * 1000 + ti * 100 + k)
                     for ti, task in enumerate(tasks) for k in range(settings.demo_group_size)
                 ]
-                for fut in futures:
-                    results.append(fut.result())
+                round_results = [fut.result() for fut in futures]
+                results.extend(round_results)
                 round_no += 1
+                if settings.demo_sync and _latest_version(results) < settings.demo_steps:
+                    # strictly alternating: wait for the policy these rollouts will train
+                    _wait_for_version(agent, _latest_version(round_results) + 1, deadline)
                 failed = sum(r.error is not None for r in results)
                 live.update(reward_table(
                     results, title=f"reward per policy version — round {round_no}, "
                                    f"{len(results)} rollouts ({failed} failed), "
                                    f"{time.monotonic() - t0:.0f}s"))
+        loop_s = time.monotonic() - loop_t0
         agent.close()
+        _write_summary(home / namespace / "demo-summary.json", settings, results, loop_s)
         if settings.demo_sink:
             _show_sink_report(settings, f"http://127.0.0.1:{analytics_port}", console)
     finally:

@@ -98,6 +98,13 @@ class DemoAgent:
     def close(self) -> None:
         self._admin.close()
 
+    def proxy_status(self) -> dict[str, Any]:
+        """The proxy's admin status (served policy version, pool, delivery counters)."""
+        resp = self._admin.get("/v1/admin/status")
+        resp.raise_for_status()
+        data: dict[str, Any] = resp.json()
+        return data
+
     def _chat(self, http: httpx.Client, messages: list[dict[str, Any]], seed: int) -> Any:
         resp = http.post("chat/completions", json={
             "model": self.model, "messages": messages, "max_tokens": self.max_tokens,

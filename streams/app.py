@@ -1,0 +1,417 @@
+"""The stream processor: a faust-streaming app built from ``ProcessorSettings``.
+
+    create_processor(settings) -> Processor    the app, its topics, tables, agents and timer
+    run(settings) -> int                       a worker until SIGTERM / SIGINT (rollstream process)
+
+Agents (names, topics and tables all carry the namespaced, versioned app id):
+
+    builder     <ns>.rollout.events    -> <ns>.trajectories     table <app_id>-rollouts-changelog
+    regroup     <ns>.trajectories      -> <app_id>-trajectories-by-group (key group_id)
+    aggregator  <app_id>-trajectories-by-group -> <ns>.samples  table <app_id>-groups-changelog
+    timer       every proc_timer_interval_s: inactivity timeouts, group timeouts, evictions
+    (every stage: refused records -> <ns>.rollout.events.dlq, reason in headers)
+
+The logic is in books.py (no faust); this module only carries out its Steps (send, barrier,
+table writes) and rebuilds the books when faust has recovered the tables after a rebalance.
+Delivery is at-least-once (faust flushes the producer before it commits offsets); correctness
+comes from deterministic output ids and the write ordering described in books.py, never from
+Kafka transactions. Any unexpected exception stops the worker (a restart recovers the state).
+
+    ProcessorError                   root of rollstream.streams (the shell)
+    └── TopicMissingError            a source topic does not exist on the broker
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from contextlib import suppress
+from datetime import timedelta
+from typing import Any
+
+import faust
+from aiokafka.helpers import create_ssl_context
+from confluent_kafka.admin import AdminClient
+from faust.types import TP
+from mode import CrashingSupervisor
+
+from rollstream.schemas import Codec, TopicSpec
+
+from .books import GroupBook, RolloutBook, Sink, Step, TrajectoryRouter
+from .offsets import Admit, OffsetGuard
+from .settings import ProcessorSettings
+
+__all__ = ["Processor", "ProcessorError", "TopicMissingError", "create_processor", "run"]
+
+log = logging.getLogger(__name__)
+_WEEK = timedelta(days=7)
+
+
+class ProcessorError(Exception):
+    """Root of the processor shell's errors."""
+
+
+class TopicMissingError(ProcessorError):
+    """A topic the processor reads does not exist (run ``rollstream topics`` / ``up``)."""
+
+
+async def _no_gap(tp: Any, offset_from: int, offset_to: int) -> None:
+    return None
+
+
+def _wall_us() -> int:
+    return time.time_ns() // 1000
+
+
+def partition_counts(settings: ProcessorSettings, timeout: float = 30.0) -> dict[str, int]:
+    """Partitions of the topics the processor reads, from the broker."""
+    topics = settings.topics()
+    wanted = [topics.events, topics.trajectories]
+    metadata = AdminClient(settings.kafka_config()).list_topics(timeout=timeout)
+    counts = {
+        name: len(metadata.topics[name].partitions) for name in wanted if name in metadata.topics
+    }
+    missing = [name for name in wanted if not counts.get(name)]
+    if missing:
+        raise TopicMissingError(f"topics missing at {settings.kafka_bootstrap}: {missing}")
+    return counts
+
+
+def _credentials(settings: ProcessorSettings) -> Any:
+    protocol = settings.kafka_security_protocol.upper()
+    if protocol == "PLAINTEXT":
+        return None
+    ssl = create_ssl_context(cafile=settings.kafka_ssl_ca_location) if "SSL" in protocol else None
+    if protocol.startswith("SASL"):
+        password = settings.kafka_sasl_password
+        return faust.SASLCredentials(
+            username=settings.kafka_sasl_username,
+            password=None if password is None else password.get_secret_value(),
+            ssl_context=ssl,
+            mechanism=settings.kafka_sasl_mechanism,
+        )
+    return faust.SSLCredentials(ssl)
+
+
+class Processor:
+    """One processor worker's app. Build with ``create_processor``; run with ``run`` (or
+    ``faust.Worker(processor.app)``)."""
+
+    def __init__(self, settings: ProcessorSettings, partitions: Mapping[str, int]) -> None:
+        self.settings = s = settings
+        topics = s.topics()
+        n_events = partitions[topics.events]
+        n_groups = s.proc_repartition_partitions or partitions[topics.trajectories]
+        max_bytes = {"max.message.bytes": str(s.proc_max_message_bytes)}
+        s.data_dir.mkdir(parents=True, exist_ok=True)  # faust's datadir (nothing kept there)
+        self.app = app = faust.App(
+            s.app_id,
+            broker=[f"kafka://{host.strip()}" for host in s.kafka_bootstrap.split(",")],
+            broker_credentials=_credentials(s),
+            autodiscover=False,
+            datadir=str(s.data_dir),
+            store="memory://",
+            key_serializer="raw",
+            value_serializer="raw",
+            processing_guarantee="at_least_once",
+            consumer_auto_offset_reset="earliest",
+            topic_allow_declare=True,
+            topic_disable_leader=True,
+            topic_replication_factor=s.topic_replication,
+            topic_partitions=n_events,
+            broker_session_timeout=s.proc_session_timeout_s,
+            broker_heartbeat_interval=s.proc_heartbeat_interval_s,
+            broker_rebalance_timeout=s.proc_rebalance_timeout_s,
+            broker_commit_interval=s.proc_commit_interval_s,
+            broker_request_timeout=s.proc_request_timeout_s,
+            stream_wait_empty=False,
+            stream_buffer_maxsize=s.proc_stream_buffer_maxsize,
+            producer_linger_ms=s.proc_producer_linger_ms,
+            producer_acks=s.proc_producer_acks,
+            producer_max_request_size=s.proc_max_message_bytes,
+            consumer_max_fetch_size=s.proc_fetch_max_bytes,
+            table_standby_replicas=s.proc_standby_replicas,
+            web_enabled=False,
+            agent_supervisor=CrashingSupervisor,
+        )
+        raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes}
+        events = app.topic(topics.events, allow_empty=True, **raw)
+        trajectories = app.topic(topics.trajectories, allow_empty=True, **raw)
+        by_group = app.topic(
+            s.repartition_topic,
+            partitions=n_groups,
+            replicas=s.topic_replication,
+            internal=True,
+            retention=_WEEK,
+            config=max_bytes,
+            allow_empty=True,
+            **raw,
+        )
+        self._sinks = {
+            Sink.TRAJECTORIES: trajectories,
+            Sink.REPARTITION: by_group,
+            Sink.SAMPLES: app.topic(topics.samples, **raw),
+            Sink.DLQ: app.topic(topics.dlq, **raw),
+        }
+        self.rollouts_table = app.Table(
+            "rollouts", partitions=n_events, extra_topic_configs=max_bytes, **raw
+        )
+        self.groups_table = app.Table(
+            "groups", partitions=n_groups, extra_topic_configs=max_bytes, **raw
+        )
+        codec = Codec()
+        self.rollouts = RolloutBook(
+            s.builder_config(), codec, source_topic=topics.events, processor=s.app_id
+        )
+        self.router = TrajectoryRouter(codec, topics.trajectories, s.app_id)
+        self.groups = GroupBook(
+            s.group_config(), codec, source_topic=s.repartition_topic, processor=s.app_id
+        )
+        self.internal_topics = [
+            TopicSpec(
+                s.repartition_topic,
+                n_groups,
+                "group_id",
+                "trajectories re-keyed by group_id for the aggregator",
+                retention_ms=int(_WEEK.total_seconds() * 1000),
+                replication=s.topic_replication,
+                config=max_bytes,
+            ),
+            *(
+                TopicSpec(
+                    table.changelog_topic_name,
+                    n,
+                    "table key",
+                    f"changelog of the {table.name} table",
+                    cleanup_policy="compact",
+                    replication=s.topic_replication,
+                    config=max_bytes,
+                )
+                for table, n in ((self.rollouts_table, n_events), (self.groups_table, n_groups))
+            ),
+        ]
+        self._recovered = {"rollouts": False, "groups": False}
+        self._sources = {topics.events, topics.trajectories, s.repartition_topic}
+        self.guard = OffsetGuard()
+        self._guard_generation: int | None = None
+        # faust marks an offset jump as a gap that may be committed past; rollstream's source
+        # topics have none, so a jump is a hole the guard refills (offsets.py)
+        consumer = app.consumer
+        self._faust_add_gap = consumer._add_gap
+        consumer._add_gap = _no_gap
+        self._last_stats = time.monotonic()
+        self._wire(events, trajectories, by_group)
+
+    # --- faust wiring -----------------------------------------------------------------------
+
+    def _wire(self, events: Any, trajectories: Any, by_group: Any) -> None:
+        app, s = self.app, self.settings
+        rollouts_table, groups_table = self.rollouts_table, self.groups_table
+
+        @app.agent(events, name=f"{s.app_id}.builder")
+        async def builder(stream: Any) -> None:
+            async for event in stream.events():
+                m = event.message
+                if await self._admit(m):
+                    step = self.rollouts.on_record(
+                        m.partition, m.offset, m.key, m.value, _wall_us()
+                    )
+                    await self._execute(step, rollouts_table)
+
+        @app.agent(trajectories, name=f"{s.app_id}.regroup")
+        async def regroup(stream: Any) -> None:
+            async for event in stream.events():
+                m = event.message
+                if await self._admit(m):
+                    step = self.router.on_record(m.partition, m.offset, m.key, m.value, m.headers)
+                    await self._execute(step, None)
+
+        @app.agent(by_group, name=f"{s.app_id}.aggregator")
+        async def aggregator(stream: Any) -> None:
+            async for event in stream.events():
+                m = event.message
+                if await self._admit(m):
+                    step = self.groups.on_record(m.partition, m.offset, m.key, m.value, _wall_us())
+                    await self._execute(step, groups_table)
+
+        @rollouts_table.on_recover
+        async def rollouts_recovered() -> None:
+            await self._rebuild("rollouts", self.rollouts, rollouts_table, events.get_topic_name())
+
+        @groups_table.on_recover
+        async def groups_recovered() -> None:
+            await self._rebuild("groups", self.groups, groups_table, by_group.get_topic_name())
+
+        @app.timer(s.proc_timer_interval_s, name=f"{s.app_id}.timer")
+        async def tick() -> None:
+            await self._guard(self._tick())
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("processor failed; stopping the worker")
+            await self.app.crash(exc)
+
+    async def _admit(self, message: Any) -> bool:
+        """Should the agent process this record (see offsets.py)? Seeks back over holes."""
+        action, offset = self.guard.admit(
+            (message.topic, message.partition), message.offset, time.monotonic()
+        )
+        if action is Admit.SEEK:
+            log.warning(
+                "%s[%d]: offset %d delivered, %d expected: seeking back",
+                message.topic,
+                message.partition,
+                message.offset,
+                offset,
+            )
+            await self.app.consumer.seek(message.tp, offset)
+        elif action is Admit.ACCEPT:
+            log.error(
+                "%s[%d]: offsets %d..%d never came after %d seeks: a real gap",
+                message.topic,
+                message.partition,
+                offset,
+                message.offset - 1,
+                self.guard.accept_after,
+            )
+            await self._faust_add_gap(message.tp, offset, message.offset - 1)
+        return action in (Admit.PROCESS, Admit.ACCEPT)
+
+    def _highwater(self, key: Any) -> int | None:
+        try:
+            return self.app.consumer.highwater(TP(*key))
+        except Exception:  # not assigned any more (a rebalance is starting)
+            return None
+
+    async def _reset_guard(self) -> None:
+        """Expect each assigned source partition from its committed (else earliest) offset."""
+        generation = self.app.consumer_generation_id
+        if generation == self._guard_generation:
+            return
+        consumer = self.app.consumer
+        actives = [tp for tp in self.app.assignor.assigned_actives() if tp.topic in self._sources]
+        committed = await consumer.seek_to_committed()
+        missing = [tp for tp in actives if committed.get(tp) is None]
+        earliest = await consumer.earliest_offsets(*missing) if missing else {}
+        self.guard.reset(
+            {
+                (tp.topic, tp.partition): committed.get(tp)
+                if committed.get(tp) is not None
+                else earliest.get(tp)
+                for tp in actives
+            },
+            time.monotonic(),
+        )
+        self._guard_generation = generation
+
+    async def _rebuild(self, name: str, book: Any, table: Any, topic: str) -> None:
+        async def rebuild() -> None:
+            self._recovered[name] = False
+            await self._reset_guard()
+            actives = self.app.assignor.assigned_actives()
+            partitions = {tp.partition for tp in actives if tp.topic == topic}
+            started = time.monotonic()
+            steps = book.rebuild(list(table.data.items()), partitions, _wall_us())
+            for step in steps:
+                await self._execute(step, table)
+            self._recovered[name] = True
+            log.info(
+                "%s: rebuilt %d open, %d closed in %.2fs for partitions %s (%d steps)",
+                name,
+                len(book.open),
+                len(book.closed),
+                time.monotonic() - started,
+                sorted(partitions),
+                len(steps),
+            )
+
+        await self._guard(rebuild())
+
+    async def _tick(self) -> None:
+        if self.app.rebalancing or not all(self._recovered.values()):
+            return
+        for (topic, partition), offset in self.guard.due(time.monotonic(), self._highwater):
+            log.warning("%s[%d]: offset %d not delivered: seeking to it", topic, partition, offset)
+            await self.app.consumer.seek(TP(topic, partition), offset)
+        wall = _wall_us()
+        for step in self.rollouts.expire(wall):
+            await self._execute(step, self.rollouts_table)
+        for step in self.groups.expire(wall):
+            await self._execute(step, self.groups_table)
+        interval = self.settings.proc_stats_interval_s
+        if interval and time.monotonic() - self._last_stats >= interval:
+            self._last_stats = time.monotonic()
+            log.info("stats %s", self.stats())
+
+    async def _execute(self, step: Step, table: Any) -> None:
+        """Send, wait for the acks when the step has a barrier, then write the table (the
+        store, and the changelog partition the step names)."""
+        futures = []
+        for out in step.sends:
+            topic = self._sinks[out.sink]
+            futures.append(
+                await topic.send(key=out.key, value=out.value, headers=list(out.headers) or None)
+            )
+        if step.barrier and futures:
+            await asyncio.gather(*futures)
+        changelog = table.changelog_topic if step.writes else None
+        for key, value in step.writes:
+            if value is None:
+                with suppress(KeyError):
+                    del table.data[key]
+            else:
+                table.data[key] = value
+            # straight into the producer's batches, in order (not faust's send_soon buffer,
+            # whose flush before a commit can return early with records still queued)
+            await changelog.send(
+                key=key,
+                value=value,
+                partition=step.partition,
+                key_serializer="raw",
+                value_serializer="raw",
+            )
+        if step.on_done is not None:
+            step.on_done()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the three stages, and the open / closed slots held in memory."""
+        return {
+            "builder": {**self.rollouts.stats, "open": len(self.rollouts.open)},
+            "regroup": dict(self.router.stats),
+            "offsets": {"seeks": self.guard.seeks, "gaps_accepted": self.guard.accepted},
+            "aggregator": {**self.groups.stats, "open": len(self.groups.open)},
+        }
+
+
+def create_processor(
+    settings: ProcessorSettings, partitions: Mapping[str, int] | None = None
+) -> Processor:
+    """Build the processor app. ``partitions`` (topic -> partition count) defaults to what the
+    broker reports for the events and trajectories topics."""
+    return Processor(settings, partitions if partitions is not None else partition_counts(settings))
+
+
+def run(settings: ProcessorSettings) -> int:
+    """Create the missing topics (the contract's, then the processor's internal ones: faust
+    declares them too, but a topic it creates at start-up can miss the first assignment), then
+    run one worker until it is stopped."""
+    from rollstream.infra.topics import ensure_topics  # the topic manager (I/O edge)
+
+    ensure_topics(settings)
+    processor = create_processor(settings)
+    ensure_topics(settings, processor.internal_topics)
+    worker = faust.Worker(
+        processor.app, loglevel=settings.proc_log_level, redirect_stdouts=False, quiet=True
+    )
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0

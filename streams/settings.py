@@ -1,0 +1,109 @@
+"""Settings of the stream processor deployable (``rollstream process``).
+
+``ProcessorSettings`` extends ``CommonSettings`` (Kafka, namespace, home); processor-only
+variables are ``ROLLSTREAM_PROC_*``. Built in ``main()`` and passed down: the app factory and
+the pure configs (``builder_config()``, ``group_config()``) read nothing else.
+
+Names derived from the settings (all carry the namespace and the versioned app id, so two
+namespaces or two processor versions never share a consumer group, a changelog or a
+repartition topic):
+
+    app_id             "<ns>.rollstream-processor-v1"     faust app id = consumer group id
+    repartition_topic  "<app_id>-trajectories-by-group"   trajectories keyed by group_id
+    changelogs         "<app_id>-rollouts-changelog", "<app_id>-groups-changelog"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from rollstream.schemas import CommonSettings
+from rollstream.schemas.events import SampleMode
+from rollstream.streams.core import AdvantageConfig, BuilderConfig, GroupConfig, SampleConfig
+
+__all__ = ["ProcessorSettings"]
+
+_S_TO_US = 1_000_000
+
+
+class ProcessorSettings(CommonSettings):
+    """The trajectory builder + group aggregator worker (ROLLSTREAM_PROC_* for its own)."""
+
+    proc_app_id: str = "rollstream-processor-v1"
+    # trajectory builder (BuilderConfig)
+    proc_scorer: str = "default"
+    proc_dedup_calls: bool = True
+    proc_inactivity_timeout_s: float = 600.0
+    proc_closed_retention_s: float = 3600.0  # closed-rollout tombstones (duplicate detection)
+    proc_max_pending: int = 10_000
+    # group aggregator (GroupConfig, SampleConfig, AdvantageConfig)
+    proc_group_size: int | None = None  # when RolloutStarted.group_size is not set
+    proc_group_timeout_s: float = 900.0
+    proc_group_closed_retention_s: float = 3600.0
+    proc_sample_mode: Literal["path", "tree"] = "path"
+    proc_share_prefixes: bool = True
+    proc_adv_normalize_std: bool = True
+    proc_adv_leave_one_out: bool = False
+    proc_adv_eps: float = 1e-6
+    proc_adv_std_ddof: int = 0
+    proc_drop_zero_variance: bool = True
+    # shell
+    proc_timer_interval_s: float = 1.0  # how often timeouts and evictions run
+    proc_repartition_partitions: int | None = None  # default: as many as trajectories
+    proc_log_level: str = "info"
+    proc_stats_interval_s: float = 30.0  # counters in the log this often (0: never)
+    # faust / aiokafka tuning (docs/processors.md says why)
+    proc_session_timeout_s: float = 6.0
+    proc_heartbeat_interval_s: float = 1.0
+    proc_rebalance_timeout_s: float = 6.0
+    proc_commit_interval_s: float = 1.0
+    proc_request_timeout_s: float = 30.0
+    proc_producer_linger_ms: float = 1.0
+    proc_producer_acks: Literal[-1, 0, 1] = -1
+    proc_max_message_bytes: int = 16_777_216
+    proc_fetch_max_bytes: int = 4_194_304  # per partition
+    proc_standby_replicas: int = 0
+    proc_stream_buffer_maxsize: int = 4096
+
+    # --- derived names ----------------------------------------------------------------------
+
+    @property
+    def app_id(self) -> str:
+        return self.topics().name(self.proc_app_id)
+
+    @property
+    def repartition_topic(self) -> str:
+        return f"{self.app_id}-trajectories-by-group"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.home / "processor" / self.app_id
+
+    # --- pure configs -----------------------------------------------------------------------
+
+    def builder_config(self) -> BuilderConfig:
+        return BuilderConfig(
+            inactivity_timeout_us=int(self.proc_inactivity_timeout_s * _S_TO_US),
+            closed_retention_us=int(self.proc_closed_retention_s * _S_TO_US),
+            max_pending=self.proc_max_pending,
+            dedup=self.proc_dedup_calls,
+            scorer=self.proc_scorer,
+        )
+
+    def group_config(self) -> GroupConfig:
+        return GroupConfig(
+            group_size=self.proc_group_size,
+            timeout_us=int(self.proc_group_timeout_s * _S_TO_US),
+            closed_retention_us=int(self.proc_group_closed_retention_s * _S_TO_US),
+            advantage=AdvantageConfig(
+                normalize_std=self.proc_adv_normalize_std,
+                leave_one_out=self.proc_adv_leave_one_out,
+                eps=self.proc_adv_eps,
+                std_ddof=self.proc_adv_std_ddof,
+                drop_zero_variance=self.proc_drop_zero_variance,
+            ),
+            samples=SampleConfig(
+                mode=SampleMode(self.proc_sample_mode), share_prefixes=self.proc_share_prefixes
+            ),
+        )

@@ -1,0 +1,271 @@
+"""The processor's shell logic without faust (streams/books.py, streams/offsets.py): steps,
+DLQ records, timeouts, and a simulated SIGKILL at every point of a run (durable changelog
+prefix, outputs acknowledged or not, any committed offset the flush-before-commit rule allows)
+followed by a rebuild: nothing is lost."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from rollstream.schemas import (
+    Codec,
+    Event,
+    LlmCall,
+    Reward,
+    RolloutFinished,
+    RolloutStarted,
+    Sample,
+    Trajectory,
+)
+from rollstream.streams.books import (
+    GroupBook,
+    Out,
+    PartitionClock,
+    RolloutBook,
+    Sink,
+    Step,
+    TrajectoryRouter,
+)
+from rollstream.streams.core import (
+    BuilderConfig,
+    GroupClosed,
+    GroupConfig,
+    add_to_group,
+    replay,
+)
+from rollstream.streams.dlq import read_headers
+from rollstream.streams.offsets import Admit, OffsetGuard
+
+codec = Codec()
+T0 = 1_700_000_000_000_000
+TOPIC = "ns.rollout.events"
+
+
+def make_rollout(
+    rng: np.random.Generator, rid: str, gid: str, *, size: int = 2, turns: int = 2, ts: int = T0
+) -> list[Event]:
+    events: list[Event] = []
+
+    def add(body: Any) -> None:
+        events.append(Event(f"{rid}-{len(events)}", rid, len(events), ts + len(events), body))
+
+    add(RolloutStarted(task_id="t", group_id=gid, group_size=size))
+    parent, prefix = None, 0
+    for turn in range(turns):
+        call = f"{rid}-c{turn}"
+        ids = rng.integers(0, 100, 4, dtype=np.uint32)
+        add(LlmCall(call, parent, prefix, ids, ids[:2].copy(), np.zeros(2, np.float32)))
+        parent, prefix = call, prefix + 6
+    add(Reward(float(rng.random())))
+    add(RolloutFinished())
+    return events
+
+
+def records(events: list[Event]) -> list[tuple[bytes, bytes]]:
+    return [(e.rollout_id.encode(), codec.encode(e)) for e in events]
+
+
+def book() -> RolloutBook:
+    return RolloutBook(BuilderConfig(), codec, source_topic=TOPIC, processor="p")
+
+
+def run_all(b: RolloutBook, recs: list[tuple[bytes, bytes]]) -> list[Step]:
+    return [b.on_record(0, i, k, v, T0) for i, (k, v) in enumerate(recs)]
+
+
+# --- builder ---------------------------------------------------------------------------------
+
+
+def test_a_rollout_writes_each_event_once_then_closes_behind_a_barrier() -> None:
+    events = make_rollout(np.random.default_rng(0), "r1", "g1")
+    steps = run_all(book(), records(events))
+    for step in steps[:-1]:
+        assert step.sends == [] and len(step.writes) == 1 and not step.barrier
+        assert step.writes[0][1] is not None
+    close = steps[-1]
+    assert close.barrier and [o.sink for o in close.sends] == [Sink.TRAJECTORIES]
+    (want,) = replay(events)[1]
+    assert codec.decode(close.sends[0].value) == want
+    assert dict(close.sends[0].headers) == {"group_id": b"g1"}
+    tombstone, *deletes = close.writes
+    assert tombstone[0].startswith(b"c/0/") and tombstone[1]
+    assert sorted(k for k, v in deletes if v is None) == sorted(s.writes[0][0] for s in steps[:-1])
+
+
+def test_duplicates_write_nothing_and_garbage_goes_to_the_dlq() -> None:
+    b = book()
+    events = make_rollout(np.random.default_rng(1), "r1", "g1")
+    recs = records(events)
+    run_all(b, recs[:2])
+    assert b.on_record(0, 7, *recs[1], T0) == Step(0)  # a re-sent event
+    step = b.on_record(3, 9, b"junk", b"\x00garbage", T0)
+    (out,) = step.sends
+    headers = read_headers(out.headers)
+    assert (out.sink, out.key, out.value, step.writes) == (Sink.DLQ, b"junk", b"\x00garbage", [])
+    assert headers["code"] == "undecodable" and headers["reason"]
+    assert (headers["original_topic"], headers["original_partition"]) == (TOPIC, "3")
+    assert (headers["original_offset"], headers["stage"], headers["processor"]) == (
+        "9",
+        "builder",
+        "p",
+    )
+    (out,) = b.on_record(0, 10, b"other-key", recs[2][1], T0).sends
+    assert read_headers(out.headers)["code"] == "wrong_key"
+
+
+def test_a_consumed_invalid_event_is_written_after_its_dlq_record() -> None:
+    events = make_rollout(np.random.default_rng(2), "r1", "g1")
+    events[-2].body = Reward(float("nan"))
+    steps = run_all(book(), records(events))
+    bad = steps[-2]
+    (out,) = bad.sends
+    assert bad.barrier and len(bad.writes) == 1  # the seq is consumed: replay must not skip it
+    assert read_headers(out.headers)["code"] == "bad_reward"
+
+
+def test_inactivity_timeout_closes_and_old_tombstones_are_forgotten() -> None:
+    b = book()
+    events = make_rollout(np.random.default_rng(3), "r1", "g1")[:-1]  # never finished
+    run_all(b, records(events))
+    timeout = b.config.inactivity_timeout_us
+    assert b.expire(T0 + timeout // 2) == []
+    (step,) = b.expire(T0 + timeout + 10)
+    trajectory = codec.decode(step.sends[0].value)
+    assert trajectory.status == "truncated" and step.barrier
+    assert "r1" in b.closed and "r1" not in b.open
+    assert b.expire(T0 + 2 * timeout) == []  # busy until the shell ran the step
+    step.on_done()  # type: ignore[misc]
+    (evict,) = b.expire(T0 + timeout + b.config.closed_retention_us + 100)
+    assert evict.writes == [(step.writes[0][0], None)] and b.closed == {}
+
+
+def test_the_clock_follows_event_time_and_moves_on_when_idle() -> None:
+    clock = PartitionClock()
+    clock.observe(0, 1_000, wall_us=50_000)  # a replay of old events
+    assert clock.now(0, 50_000) == 1_000
+    clock.observe(0, 900, 50_010)  # an older event does not move it back
+    assert clock.now(0, 60_000) == 11_000  # idle: wall time passes
+    assert clock.now(1, 70_000) == 70_000  # a partition never seen: the wall clock
+
+
+# --- crash anywhere, rebuild, replay from the committed offset ---------------------------------
+
+
+def crash_and_recover(
+    make_book: Any, recs: list[tuple[bytes, bytes]], rng: random.Random
+) -> list[Out]:
+    """Run the records; SIGKILL at a random point; rebuild from what the changelog kept;
+    replay from a committed offset the flush-before-commit rule allows. Returns every output
+    that reached Kafka, before and after the crash."""
+    first = make_book()
+    steps = [first.on_record(0, i, k, v, T0) for i, (k, v) in enumerate(recs)]
+    cut = rng.randrange(len(steps) + 1)  # steps before it are complete
+    durable: list[Out] = [o for s in steps[:cut] for o in s.sends]
+    table: dict[bytes, bytes] = {}
+
+    def write(step: Step, upto: int | None = None) -> None:
+        for key, value in step.writes[:upto]:
+            if value is None:
+                table.pop(key, None)
+            else:
+                table[key] = value
+
+    for step in steps[:cut]:
+        write(step)
+    if cut < len(steps):  # the step being executed: some sends out, maybe some writes
+        step = steps[cut]
+        sent = [o for o in step.sends if rng.random() < 0.5]
+        durable += sent
+        if not step.barrier or len(sent) == len(step.sends):
+            write(step, rng.randrange(len(step.writes) + 1))
+    committed = rng.randrange(cut + 1)  # only records whose every write was durable
+    second = make_book()
+    after = [o for s in second.rebuild(list(table.items()), {0}, T0) for o in s.sends]
+    for i in range(committed, len(recs)):
+        after += second.on_record(0, i, *recs[i], T0).sends
+    return durable + after
+
+
+def test_rollouts_survive_a_crash_at_any_point() -> None:
+    rng = np.random.default_rng(4)
+    rollouts = [make_rollout(rng, f"r{i}", f"g{i // 2}") for i in range(6)]
+    rollouts[2][3].body = Reward(float("inf"))  # one in-order violation for the DLQ
+    events = [e for i in range(6) for r in rollouts for e in r[i : i + 1]]  # interleaved
+    recs = records(events)
+    want = {t.rollout_id: t for t in replay(events)[1] if isinstance(t, Trajectory)}
+    for seed in range(150):
+        outs = crash_and_recover(book, recs, random.Random(seed))
+        got = {
+            codec.decode(o.value).rollout_id: codec.decode(o.value)
+            for o in outs
+            if o.sink == "trajectories"
+        }
+        assert got == want, seed
+        assert any(read_headers(o.headers).get("code") == "bad_reward" for o in outs), seed
+
+
+def test_groups_survive_a_crash_at_any_point() -> None:
+    rng = np.random.default_rng(5)
+    events = [e for i in range(8) for e in make_rollout(rng, f"r{i}", f"g{i // 2}")]
+    trajectories = [t for t in replay(events)[1] if isinstance(t, Trajectory)]
+    config = GroupConfig()
+    want: dict[str, Sample] = {}
+    states: dict[str, Any] = {}
+    for t in trajectories:
+        states[t.group_id], outs = add_to_group(states.get(t.group_id), t, config)
+        want.update((s.sample_id, s) for o in outs if isinstance(o, GroupClosed) for s in o.samples)
+    recs = [(t.group_id.encode(), codec.encode(t)) for t in trajectories]
+    assert len(want) == 8
+
+    def make() -> GroupBook:
+        return GroupBook(config, codec, source_topic="by-group", processor="p")
+
+    for seed in range(150):
+        outs = crash_and_recover(make, recs, random.Random(seed))
+        got = {}
+        for o in outs:
+            assert o.sink == Sink.SAMPLES
+            sample = codec.decode(o.value, expect=Sample)
+            got[sample.sample_id] = sample
+        assert got == want, seed
+
+
+# --- regroup and the offset guard --------------------------------------------------------------
+
+
+def test_the_router_keys_trajectories_by_group() -> None:
+    (trajectory,) = replay(make_rollout(np.random.default_rng(6), "r1", "g7"))[1]
+    router = TrajectoryRouter(codec, "ns.trajectories", "p")
+    raw = codec.encode(trajectory)
+    (out,) = router.on_record(1, 2, b"r1", raw, None).sends  # no header: decoded
+    assert (out.sink, out.key, out.value) == (Sink.REPARTITION, b"g7", raw)
+    (out,) = router.on_record(1, 3, b"r1", raw, [("group_id", b"g9")]).sends
+    assert out.key == b"g9"
+    (out,) = router.on_record(1, 4, b"r1", b"nope", None).sends
+    assert out.sink == Sink.DLQ and read_headers(out.headers)["stage"] == "regroup"
+
+
+def test_the_offset_guard_refills_holes_and_skips_repeats() -> None:
+    guard = OffsetGuard(retry_s=1.0, accept_after=2)
+    a, b = ("t", 0), ("t", 1)
+    guard.reset({a: 10, b: None}, now=0.0)
+    assert guard.admit(b, 5, 0.0) == (Admit.PROCESS, 5)  # no committed offset: any start
+    assert guard.admit(a, 10, 0.0) == (Admit.PROCESS, 10)
+    assert guard.admit(a, 13, 0.0) == (Admit.SEEK, 11)  # 11 and 12 never came
+    assert guard.admit(a, 14, 0.5) == (Admit.SKIP, 11)  # seeked a moment ago
+    assert guard.admit(a, 11, 0.6) == (Admit.PROCESS, 11)  # refilled
+    assert guard.admit(a, 11, 0.6) == (Admit.SKIP, 12)  # a repeat
+    assert guard.admit(a, 12, 0.7) == (Admit.PROCESS, 12)
+    ends = {a: 15, b: 6}.get
+    assert guard.due(1.0, ends) == []  # a record came 0.3 s ago
+    assert guard.due(1.8, ends) == []  # behind and quiet: suspect from now
+    assert guard.due(2.5, ends) == []
+    assert guard.due(2.9, ends) == [(a, 13)]  # still: a stall, seek
+    assert guard.due(4.0, {a: 13, b: 6}.get) == []  # caught up: nothing to fetch
+    assert guard.admit(a, 20, 4.1) == (Admit.SEEK, 13)
+    assert guard.admit(a, 20, 5.2) == (Admit.ACCEPT, 13)  # a real gap after 2 seeks
+    assert guard.admit(a, 21, 5.2) == (Admit.PROCESS, 21)
+    assert (guard.seeks, guard.accepted) == (3, 1)
