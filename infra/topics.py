@@ -18,7 +18,14 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from rollstream.schemas import CommonSettings, TopicSpec
 
-__all__ = ["TopicError", "TopicState", "admin_client", "describe_topics", "ensure_topics"]
+__all__ = [
+    "TopicError",
+    "TopicState",
+    "admin_client",
+    "describe_topics",
+    "ensure_topics",
+    "watermarks",
+]
 
 
 class TopicError(Exception):
@@ -78,7 +85,25 @@ def ensure_topics(
                 continue  # a concurrent creator won the race: same outcome
             raise TopicError(f"creating {name}: {exc}") from exc
     _wait_for_leaders(admin, created, timeout)
+    _wait_for_offsets(settings, created, timeout)
     return sorted(created)
+
+
+def _wait_for_offsets(settings: CommonSettings, names: list[str], timeout: float) -> None:
+    """Metadata names a leader before that leader serves the partition (NOT_LEADER for a moment
+    after creation): ask each new partition for its offsets, so the topics are usable at once."""
+    if not names:
+        return
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**settings.kafka_config(), "group.id": "rollstream-topics-ready"})
+    try:
+        md = consumer.list_topics(timeout=timeout)
+        for name in names:
+            for p in md.topics[name].partitions:
+                watermarks(consumer, TopicPartition(name, p), timeout)
+    finally:
+        consumer.close()
 
 
 def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:
@@ -124,7 +149,7 @@ def describe_topics(settings: CommonSettings, *, timeout: float = 10.0) -> list[
                 continue
             total = 0
             for p in topic.partitions:
-                lo, hi = _watermarks(consumer, TopicPartition(name, p), timeout)
+                lo, hi = watermarks(consumer, TopicPartition(name, p), timeout)
                 total += hi - lo
             out.append(TopicState(name, len(topic.partitions), total))
     finally:
@@ -132,7 +157,7 @@ def describe_topics(settings: CommonSettings, *, timeout: float = 10.0) -> list[
     return out
 
 
-def _watermarks(consumer: Any, tp: Any, timeout: float) -> tuple[int, int]:
+def watermarks(consumer: Any, tp: Any, timeout: float) -> tuple[int, int]:
     """Watermarks, retrying while a just-created partition's leader is still loading."""
     deadline = time.monotonic() + timeout
     while True:

@@ -19,6 +19,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from rollstream.consumers.analytics_server import AnalyticsClient
 from rollstream.infra.kafka import free_port
+from rollstream.infra.topics import watermarks
 from rollstream.producers.recorder import Recorder, RecorderSettings
 from rollstream.schemas import CommonSettings
 
@@ -155,7 +156,7 @@ def read_topic(settings: CommonSettings, topic: str) -> list[Any]:
     try:
         md = consumer.list_topics(topic, timeout=10)
         ends = {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            p: watermarks(consumer, TopicPartition(topic, p), 30)[1]
             for p in md.topics[topic].partitions
         }
         consumer.assign([TopicPartition(topic, p, 0) for p, end in ends.items() if end])
