@@ -1,38 +1,45 @@
 """The processor's book-keeping, apart from faust: what to send and what to write to the tables
 for each record, each timer tick and each recovery. app.py only carries it out.
 
-    rollout.events --RolloutBook--> trajectories --route_trajectory--> <app_id>-trajectories-
+    rollout.events --RolloutBook--> trajectories --TrajectoryRouter--> <app_id>-trajectories-
     by-group --GroupBook--> samples          (refused records of every stage -> DLQ)
+
+RolloutBook and the shared parts (Step, Out, the table key layout, the clock) are here;
+TrajectoryRouter and GroupBook in aggregation.py.
 
 State. The pure core's states (RolloutState, GroupState) live in memory. The faust tables are a
 write-ahead log of what is needed to rebuild them, each input written once (no O(n^2) re-writes
 of a growing state):
 
-    rollouts table  e/<p>/<rid>/<seq>   offset + raw event bytes, for each event of an OPEN
-                                        rollout that the core consumed (applied or buffered)
+    rollouts table  e/<p>/<rid>/<seq>   offset + raw event bytes, for each event the core
+                                        consumed (applied or buffered) while the rollout was open
                     c/<p>/<rid>         the closed rollout's tombstone (core state, tiny)
-    groups table    t/<p>/<gid>/<rid>   offset + raw trajectory bytes, for an OPEN group
+    groups table    t/<p>/<gid>/<rid>   offset + raw trajectory bytes, each one a group gathered
                     c/<p>/<gid>         the closed group's tombstone (core state, tiny)
 
 (<p> is the source partition, which is also the changelog partition; ids are length-prefixed.)
-On close the tombstone is written and the inputs deleted; tombstones go after
-``closed_retention``. After a rebalance or a restart ``rebuild`` replays the table into fresh
-core states.
+When a close is acknowledged the tombstone is written and the inputs deleted; tombstones go
+after ``closed_retention``. After a rebalance or a restart ``rebuild`` replays the table into
+fresh core states; a rollout (group) whose inputs close it but has no tombstone is closed
+again there, and its outputs sent again.
 
 Correctness under a crash at any point (at-least-once, no transactions). faust flushes the
 producer before it commits source offsets, so everything written for a committed offset is
-durable, and records past the committed offset are processed again. A ``Step`` is executed in
-order: send its records; if ``barrier`` is set, wait for the broker's acks; then write to the
-table (one changelog partition, so a later write is never durable without the earlier ones).
-The rule: an output that replay would not produce again is acknowledged before the table write
-that makes replay skip it. So:
-- a close sends the Trajectory (or the group's Samples) with a barrier before the tombstone and
-  the deletes: a tombstone in the changelog proves the output is in Kafka; without it the
-  inputs are still there and the close happens again (a duplicate, same ids);
-- an event the core consumed that yields a DLQ record (an in-order contract violation) is
-  written only after that record is acknowledged;
+durable, and records past the committed offset are processed again. A ``Step`` sends its
+records, writes its ``writes`` (after the sends' acks when ``barrier`` is set), and writes its
+``deferred`` once the sends are acknowledged, in the background. The table is one changelog
+partition per source partition, so a later write is never durable without the earlier ones.
+The rule: an output that neither replay nor a rebuild would produce again is acknowledged
+before the table write that makes them skip it. So:
+- a consumed input is always written, the closing one included; the close's tombstone and
+  deletes are deferred until the Trajectory (the group's Samples) is acknowledged: a tombstone
+  in the changelog proves the output is in Kafka; without it the table still holds every input
+  and the rebuild closes it again (a duplicate, same ids). The agent never waits for a close;
+- an event the core consumed that yields a DLQ record while its rollout stays open (an in-order
+  contract violation) is written only after that record is acknowledged (a rebuild does not
+  re-send the DLQ records of open rollouts): the one barrier, on bad input only;
 - everything else (duplicates, refusals of a closed rollout, late trajectories) is produced
-  again by replay and needs no barrier.
+  again by replay.
 A duplicate output is harmless: sample ids are deterministic and consumers deduplicate.
 """
 
@@ -42,25 +49,19 @@ import enum
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
-from rollstream.schemas import Codec, DecodeError, Event, Trajectory
+from rollstream.schemas import Codec, DecodeError, Event
 from rollstream.streams.core import (
     BuilderConfig,
-    GroupClosed,
-    GroupConfig,
-    GroupOutput,
     GroupState,
     Invalid,
     Phase,
     RolloutOutput,
     RolloutState,
-    add_to_group,
     apply,
     expire,
-    expire_group,
     should_evict,
-    should_evict_group,
     state_from_bytes,
     state_to_bytes,
 )
@@ -68,13 +69,21 @@ from rollstream.streams.core import (
 from .dlq import CODE_UNDECODABLE, CODE_WRONG_KEY, dlq_headers
 
 __all__ = [
-    "GroupBook",
+    "GROUP_HEADER",
+    "Book",
     "Out",
     "PartitionClock",
     "RolloutBook",
     "Sink",
+    "Slot",
     "Step",
-    "TrajectoryRouter",
+    "Write",
+    "closed_key",
+    "pack",
+    "split_key",
+    "tally",
+    "traj_key",
+    "unpack",
 ]
 
 _TERMINAL = frozenset({Phase.CLOSED, Phase.REJECTED})
@@ -100,15 +109,20 @@ class Out:
     headers: tuple[tuple[str, bytes], ...] = ()
 
 
+Write: TypeAlias = tuple[bytes, bytes | None]  # table key -> value (None deletes)
+
+
 @dataclass(slots=True)
 class Step:
-    """Send ``sends``; if ``barrier``, wait for their acks; then apply ``writes`` (key -> value,
-    None deletes) to the table partition ``partition``; then call ``on_done``."""
+    """Send ``sends``; if ``barrier``, wait for their acks; write ``writes`` to the table
+    partition ``partition``. Then, without holding up the caller, once every send is
+    acknowledged: write ``deferred`` and call ``on_done``."""
 
     partition: int
     sends: list[Out] = field(default_factory=list)
-    writes: list[tuple[bytes, bytes | None]] = field(default_factory=list)
+    writes: list[Write] = field(default_factory=list)
     barrier: bool = False
+    deferred: list[Write] = field(default_factory=list)
     on_done: Callable[[], None] | None = None
 
 
@@ -142,33 +156,33 @@ def _event_key(partition: int, rollout_id: str, seq: int) -> bytes:
     return b"e/%d/%s/%012d" % (partition, _id(rollout_id), seq)
 
 
-def _traj_key(partition: int, group_id: str, rollout_id: str) -> bytes:
+def traj_key(partition: int, group_id: str, rollout_id: str) -> bytes:
     return b"t/%d/%s/%s" % (partition, _id(group_id), rollout_id.encode())
 
 
-def _closed_key(partition: int, ident: str) -> bytes:
+def closed_key(partition: int, ident: str) -> bytes:
     return b"c/%d/%s" % (partition, _id(ident))
 
 
-def _split_key(key: bytes) -> tuple[bytes, int]:
+def split_key(key: bytes) -> tuple[bytes, int]:
     kind, partition, _ = key.split(b"/", 2)
     return kind, int(partition)
 
 
-def _pack(offset: int, raw: bytes) -> bytes:
+def pack(offset: int, raw: bytes) -> bytes:
     return _OFFSET.pack(offset) + raw
 
 
-def _unpack(value: bytes) -> tuple[int, bytes]:
+def unpack(value: bytes) -> tuple[int, bytes]:
     return _OFFSET.unpack_from(value)[0], value[_OFFSET.size :]
 
 
-def _tally(stats: dict[str, int], name: str, n: int = 1) -> None:
+def tally(stats: dict[str, int], name: str, n: int = 1) -> None:
     stats[name] = stats.get(name, 0) + n
 
 
 @dataclass(slots=True)
-class _Slot(Generic[S]):
+class Slot(Generic[S]):
     """One rollout or group: its core state, the partition it lives in, what it holds in the
     table (seq or rollout_id -> source offset)."""
 
@@ -178,7 +192,9 @@ class _Slot(Generic[S]):
     busy: bool = False  # a close is in flight: the timer leaves the slot alone
 
 
-class _Book:
+class Book:
+    """What the stages share: the codec, the clock, counters, DLQ records."""
+
     stage = ""
 
     def __init__(self, codec: Codec, source_topic: str, processor: str) -> None:
@@ -197,7 +213,7 @@ class _Book:
         partition: int,
         offset: int,
     ) -> Out:
-        _tally(self.stats, "dlq")
+        tally(self.stats, "dlq")
         headers = dlq_headers(
             reason=reason,
             code=code,
@@ -210,7 +226,7 @@ class _Book:
         return Out(Sink.DLQ, key, value, headers)
 
     @staticmethod
-    def _mark_done(slot: _Slot[Any]) -> Callable[[], None]:
+    def _mark_done(slot: Slot[Any]) -> Callable[[], None]:
         slot.busy = True
 
         def done() -> None:
@@ -219,7 +235,7 @@ class _Book:
         return done
 
 
-class RolloutBook(_Book):
+class RolloutBook(Book):
     """The trajectory builder's shell logic over ``core.apply`` / ``core.expire``."""
 
     stage = "builder"
@@ -229,17 +245,19 @@ class RolloutBook(_Book):
     ) -> None:
         super().__init__(codec, source_topic, processor)
         self.config = config
-        self.open: dict[str, _Slot[RolloutState]] = {}
+        self.open: dict[str, Slot[RolloutState]] = {}
         self.closed: dict[
-            str, _Slot[RolloutState]
+            str, Slot[RolloutState]
         ] = {}  # in closing order (eviction scans the front)
 
     def on_record(
         self, partition: int, offset: int, key: bytes | None, value: bytes | None, wall_us: int
     ) -> Step:
         step = Step(partition)
-        _tally(self.stats, "records")
+        tally(self.stats, "records")
         try:
+            if value is None:
+                raise DecodeError("a record with no value", b"")
             event: Event = self.codec.decode(value, expect=Event)
         except DecodeError as exc:
             step.sends.append(
@@ -254,19 +272,21 @@ class RolloutBook(_Book):
         self.clock.observe(partition, event.ts, wall_us)
         slot = self.open.get(rid) or self.closed.get(rid)
         if slot is None:
-            slot = self.open[rid] = _Slot(RolloutState(rid), partition)
+            slot = self.open[rid] = Slot(RolloutState(rid), partition)
         state = slot.state
         was_open = state.phase not in _TERMINAL
         seq = event.seq
         known = 0 <= seq < state.next_seq or seq in state.pending
         _, outputs = apply(state, event, self.config)
         step.sends = [self._out(o, slot, event, key, value, offset) for o in outputs]
-        if was_open and state.phase in _TERMINAL:
-            self._close(step, rid, slot)
-        elif was_open and not known and _holds(state, event):
-            step.writes.append((_event_key(partition, rid, seq), _pack(offset, value)))
-            step.barrier = bool(step.sends)
+        closing = was_open and state.phase in _TERMINAL
+        if was_open and not known and _holds(state, event):
+            step.writes.append((_event_key(partition, rid, seq), pack(offset, value)))
             slot.offsets[seq] = offset
+            # a DLQ record of a rollout that stays open is not sent again by a rebuild
+            step.barrier = bool(step.sends) and not closing
+        if closing:
+            self._close(step, rid, slot)
         return step
 
     def expire(self, wall_us: int) -> list[Step]:
@@ -289,7 +309,7 @@ class RolloutBook(_Book):
             if not should_evict(slot.state, self.clock.now(slot.partition, wall_us), self.config):
                 break
             del self.closed[rid]
-            steps.append(Step(slot.partition, writes=[(_closed_key(slot.partition, rid), None)]))
+            steps.append(Step(slot.partition, writes=[(closed_key(slot.partition, rid), None)]))
         return steps
 
     def rebuild(
@@ -303,7 +323,7 @@ class RolloutBook(_Book):
         events: dict[str, list[tuple[int, int, Event, bytes]]] = {}
         tombstones: list[tuple[int, RolloutState]] = []
         for key, value in items:
-            kind, partition = _split_key(key)
+            kind, partition = split_key(key)
             if partition not in partitions:
                 continue
             if kind == b"c":
@@ -311,20 +331,20 @@ class RolloutBook(_Book):
                 assert isinstance(state, RolloutState)
                 tombstones.append((partition, state))
             elif kind == b"e":
-                offset, raw = _unpack(value)
+                offset, raw = unpack(value)
                 event = self.codec.decode(raw, expect=Event)
                 events.setdefault(event.rollout_id, []).append((partition, offset, event, raw))
         steps: list[Step] = []
         for partition, state in sorted(tombstones, key=lambda t: t[1].last_ts):
-            self.closed[state.rollout_id] = _Slot(state, partition)
+            self.closed[state.rollout_id] = Slot(state, partition)
         for rid, stored in events.items():
             stored.sort(key=lambda s: s[2].seq)
             partition = stored[0][0]
             if rid in self.closed:  # closed, the deletes were cut short: finish them
-                writes = [(_event_key(p, rid, e.seq), None) for p, _, e, _ in stored]
+                writes: list[Write] = [(_event_key(p, rid, e.seq), None) for p, _, e, _ in stored]
                 steps.append(Step(partition, writes=writes))
                 continue
-            slot = self.open[rid] = _Slot(RolloutState(rid), partition)
+            slot = self.open[rid] = Slot(RolloutState(rid), partition)
             outputs: list[RolloutOutput] = []
             for _, offset, event, _ in stored:
                 self.clock.observe(partition, event.ts, wall_us)
@@ -334,16 +354,15 @@ class RolloutBook(_Book):
                 step = Step(partition, [self._out(o, slot, None, None, b"", -1) for o in outputs])
                 self._close(step, rid, slot)
                 steps.append(step)
-        _tally(self.stats, "rebuilt_open", len(self.open))
+        tally(self.stats, "rebuilt_open", len(self.open))
         return steps
 
     # --- internals ------------------------------------------------------------------------
 
-    def _close(self, step: Step, rid: str, slot: _Slot[RolloutState]) -> None:
+    def _close(self, step: Step, rid: str, slot: Slot[RolloutState]) -> None:
         partition = slot.partition
-        step.barrier = True
-        step.writes.append((_closed_key(partition, rid), state_to_bytes(slot.state)))
-        step.writes += [(_event_key(partition, rid, seq), None) for seq in slot.offsets]
+        step.deferred.append((closed_key(partition, rid), state_to_bytes(slot.state)))
+        step.deferred += [(_event_key(partition, rid, seq), None) for seq in slot.offsets]
         slot.offsets = {}
         step.on_done = self._mark_done(slot)
         del self.open[rid]
@@ -352,14 +371,14 @@ class RolloutBook(_Book):
     def _out(
         self,
         output: RolloutOutput,
-        slot: _Slot[RolloutState],
+        slot: Slot[RolloutState],
         event: Event | None,
         key: bytes | None,
         value: bytes,
         offset: int,
     ) -> Out:
         if isinstance(output, Invalid):
-            _tally(self.stats, "invalid")
+            tally(self.stats, "invalid")
             bad = output.event
             if bad is event:
                 raw, at = value, offset
@@ -368,7 +387,7 @@ class RolloutBook(_Book):
             return self._dlq(
                 bad.rollout_id.encode(), raw, str(output.code), output.reason, slot.partition, at
             )
-        _tally(self.stats, "trajectories")
+        tally(self.stats, "trajectories")
         headers = ((GROUP_HEADER, output.group_id.encode()),)
         return Out(
             Sink.TRAJECTORIES, output.rollout_id.encode(), self.codec.encode(output), headers
@@ -381,177 +400,3 @@ def _holds(state: RolloutState, event: Event) -> bool:
     if 0 <= seq < state.next_seq:
         return state.event_ids[seq] == event.event_id
     return state.pending.get(seq) is event
-
-
-class TrajectoryRouter(_Book):
-    """Re-keys trajectories (key rollout_id) by group_id for the aggregator. The group_id comes
-    from the builder's ``group_id`` header, else from decoding the record."""
-
-    stage = "regroup"
-
-    def on_record(
-        self,
-        partition: int,
-        offset: int,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Iterable[tuple[str, bytes | None]] | None,
-    ) -> Step:
-        step = Step(partition)
-        _tally(self.stats, "records")
-        group = next((h for name, h in headers or () if name == GROUP_HEADER and h), None)
-        if group is None:
-            try:
-                group = self.codec.decode(value, expect=Trajectory).group_id.encode()
-            except DecodeError as exc:
-                step.sends.append(
-                    self._dlq(key, value, CODE_UNDECODABLE, exc.reason, partition, offset)
-                )
-                return step
-        step.sends.append(Out(Sink.REPARTITION, group, value, ((GROUP_HEADER, group),)))
-        return step
-
-
-class GroupBook(_Book):
-    """The group aggregator's shell logic over ``core.add_to_group`` / ``expire_group``."""
-
-    stage = "aggregator"
-
-    def __init__(
-        self, config: GroupConfig, codec: Codec, *, source_topic: str, processor: str = ""
-    ) -> None:
-        super().__init__(codec, source_topic, processor)
-        self.config = config
-        self.open: dict[str, _Slot[GroupState]] = {}
-        self.closed: dict[str, _Slot[GroupState]] = {}
-
-    def on_record(
-        self, partition: int, offset: int, key: bytes | None, value: bytes | None, wall_us: int
-    ) -> Step:
-        step = Step(partition)
-        _tally(self.stats, "records")
-        try:
-            trajectory: Trajectory = self.codec.decode(value, expect=Trajectory)
-        except DecodeError as exc:
-            step.sends.append(
-                self._dlq(key, value, CODE_UNDECODABLE, exc.reason, partition, offset)
-            )
-            return step
-        self.clock.observe(partition, trajectory.finished_ts, wall_us)
-        gid, rid = trajectory.group_id, trajectory.rollout_id
-        slot = self.open.get(gid) or self.closed.get(gid)
-        if slot is None:
-            slot = self.open[gid] = _Slot(GroupState(gid), partition)
-        state = slot.state
-        was_open = not state.closed
-        known = rid in state.trajectories or rid in state.closed_rollouts
-        _, outputs = add_to_group(state, trajectory, self.config)
-        current = (trajectory, key, value, offset)
-        step.sends = [s for o in outputs for s in self._outs(o, slot, current)]
-        if was_open and state.closed:
-            self._close(step, gid, slot)
-        elif was_open and not known and rid in state.trajectories:
-            step.writes.append((_traj_key(partition, gid, rid), _pack(offset, value)))
-            slot.offsets[rid] = offset
-        return step
-
-    def expire(self, wall_us: int) -> list[Step]:
-        """Close the groups past their timeout; forget old tombstones."""
-        steps: list[Step] = []
-        for gid, slot in list(self.open.items()):
-            if slot.busy:
-                continue
-            _, outputs = expire_group(
-                slot.state, self.clock.now(slot.partition, wall_us), self.config
-            )
-            if outputs:
-                step = Step(slot.partition, [s for o in outputs for s in self._outs(o, slot, None)])
-                self._close(step, gid, slot)
-                steps.append(step)
-        for gid, slot in list(self.closed.items()):
-            if slot.busy:
-                continue
-            now = self.clock.now(slot.partition, wall_us)
-            if not should_evict_group(slot.state, now, self.config):
-                break
-            del self.closed[gid]
-            steps.append(Step(slot.partition, writes=[(_closed_key(slot.partition, gid), None)]))
-        return steps
-
-    def rebuild(
-        self, items: Iterable[tuple[bytes, bytes]], partitions: set[int], wall_us: int
-    ) -> list[Step]:
-        """As RolloutBook.rebuild, for groups."""
-        self.open.clear()
-        self.closed.clear()
-        self.clock.clear()
-        gathered: dict[str, list[tuple[int, int, Trajectory]]] = {}
-        tombstones: list[tuple[int, GroupState]] = []
-        for key, value in items:
-            kind, partition = _split_key(key)
-            if partition not in partitions:
-                continue
-            if kind == b"c":
-                state = state_from_bytes(value)
-                assert isinstance(state, GroupState)
-                tombstones.append((partition, state))
-            elif kind == b"t":
-                offset, raw = _unpack(value)
-                trajectory = self.codec.decode(raw, expect=Trajectory)
-                gathered.setdefault(trajectory.group_id, []).append((partition, offset, trajectory))
-        steps: list[Step] = []
-        for partition, state in sorted(tombstones, key=lambda t: t[1].opened_ts):
-            self.closed[state.group_id] = _Slot(state, partition)
-        for gid, stored in gathered.items():
-            stored.sort(key=lambda s: s[2].rollout_id)
-            partition = stored[0][0]
-            if gid in self.closed:
-                writes = [(_traj_key(p, gid, t.rollout_id), None) for p, _, t in stored]
-                steps.append(Step(partition, writes=writes))
-                continue
-            slot = self.open[gid] = _Slot(GroupState(gid), partition)
-            outputs: list[GroupOutput] = []
-            for _, offset, trajectory in stored:
-                self.clock.observe(partition, trajectory.finished_ts, wall_us)
-                slot.offsets[trajectory.rollout_id] = offset
-                outputs += add_to_group(slot.state, trajectory, self.config)[1]
-            if slot.state.closed:
-                step = Step(partition, [s for o in outputs for s in self._outs(o, slot, None)])
-                self._close(step, gid, slot)
-                steps.append(step)
-        _tally(self.stats, "rebuilt_open", len(self.open))
-        return steps
-
-    # --- internals ------------------------------------------------------------------------
-
-    def _close(self, step: Step, gid: str, slot: _Slot[GroupState]) -> None:
-        partition = slot.partition
-        step.barrier = True
-        step.writes.append((_closed_key(partition, gid), state_to_bytes(slot.state)))
-        step.writes += [(_traj_key(partition, gid, rid), None) for rid in slot.offsets]
-        slot.offsets = {}
-        step.on_done = self._mark_done(slot)
-        del self.open[gid]
-        self.closed[gid] = slot
-
-    def _outs(
-        self,
-        output: GroupOutput,
-        slot: _Slot[GroupState],
-        current: tuple[Trajectory, bytes | None, bytes, int] | None,
-    ) -> list[Out]:
-        if isinstance(output, GroupClosed):
-            stats = output.stats
-            _tally(self.stats, "groups_closed")
-            _tally(self.stats, "groups_dropped_zero_variance", int(stats.dropped_zero_variance))
-            _tally(self.stats, "samples", len(output.samples))
-            key = output.group_id.encode()
-            return [Out(Sink.SAMPLES, key, self.codec.encode(s)) for s in output.samples]
-        trajectory = output.trajectory
-        if current is not None and trajectory is current[0]:
-            key, raw, offset = current[1], current[2], current[3]
-        else:
-            key = trajectory.group_id.encode()
-            raw = self.codec.encode(trajectory)
-            offset = slot.offsets.get(trajectory.rollout_id, -1)
-        return [self._dlq(key, raw, str(output.code), output.reason, slot.partition, offset)]

@@ -13,9 +13,12 @@ offsets are contiguous: the guard holds the next expected offset of each partiti
 the committed offset after each assignment) and says what to do with each delivered record:
 PROCESS it (the expected one), SKIP it (a repeat, already processed; or past a hole, it comes
 again), or SEEK back to the expected offset. ``due`` (from a timer) also seeks a partition
-that stays behind its high watermark with no record of it delivered for 2 x ``retry_s`` (a
-hole nothing came to fill, or a stalled partition); faust's fetcher serves the partitions of a
-backlog round-robin, so a partition in a busy backlog still sees records. The shell
+that stays behind its high watermark while the whole worker is given nothing, for 2 x
+``retry_s`` (a hole nothing came to fill, or a stalled partition). Only when the worker is
+quiet: faust delivers the records of all agents through one queue, so an agent behind another
+agent's backlog legitimately waits (it is not stalled), and the guard holds the committed
+offset of a stalled partition back, so waiting for a quiet moment delays records, never loses
+them. The shell
 turns faust's gap marking off, so the committed offset cannot pass a hole. A hole that seeking
 cannot fill after ``accept_after`` tries is a real gap (a transaction marker from a foreign
 producer): the record after it is ACCEPTed and the shell tells faust the gap is real.
@@ -56,6 +59,7 @@ class OffsetGuard:
         self.retry_s = retry_s
         self.accept_after = accept_after
         self._parts: dict[Source, _Partition] = {}
+        self._last_delivery = float("-inf")  # any record of any partition
         self.seeks = 0
         self.accepted = 0
 
@@ -63,6 +67,7 @@ class OffsetGuard:
         """After an assignment: the committed (or earliest) offset of each partition; None
         takes the first record delivered as the start."""
         self._parts = {key: _Partition(offset, now) for key, offset in expected.items()}
+        self._last_delivery = now
 
     def admit(self, key: Source, offset: int, now: float) -> tuple[Admit, int]:
         """What to do with the record at ``offset``; the int is the offset to seek to (SEEK),
@@ -71,6 +76,7 @@ class OffsetGuard:
         if part is None:
             part = self._parts[key] = _Partition(None, now)
         part.seen = now
+        self._last_delivery = now
         expected = part.expected
         if expected is None or offset == expected:
             self._moved(part, offset)
@@ -89,13 +95,20 @@ class OffsetGuard:
     def due(
         self, now: float, highwater: Callable[[Source], int | None]
     ) -> list[tuple[Source, int]]:
-        """Partitions behind their high watermark, none of their records delivered for a
-        while: seek them to the expected offset."""
+        """Partitions behind their high watermark while the worker is quiet: seek them to the
+        expected offset."""
         out = []
+        quiet = now - self._last_delivery >= self.retry_s
         for key, part in self._parts.items():
             end = highwater(key) if part.expected is not None else None
             idle = now - part.seen >= self.retry_s
-            if end is None or part.expected is None or end <= part.expected or not idle:
+            if (
+                not quiet
+                or end is None
+                or part.expected is None
+                or end <= part.expected
+                or not idle
+            ):
                 part.stuck_since = None
                 continue
             if part.stuck_since is None:

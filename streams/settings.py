@@ -59,7 +59,8 @@ class ProcessorSettings(CommonSettings):
     proc_rebalance_timeout_s: float = 6.0
     proc_commit_interval_s: float = 1.0
     proc_request_timeout_s: float = 30.0
-    proc_producer_linger_ms: float = 1.0
+    proc_producer_linger_ms: float = 5.0
+    proc_producer_batch_bytes: int = 1_048_576  # per partition (faust's default: 16 KiB)
     proc_producer_acks: Literal[-1, 0, 1] = -1
     proc_max_message_bytes: int = 16_777_216
     proc_fetch_max_bytes: int = 4_194_304  # per partition

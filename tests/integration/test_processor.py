@@ -279,9 +279,10 @@ def test_events_become_the_samples_the_core_computes(
     assert len(expected) == 4 * 3 + 2  # one path sample per rollout; the flat group has none
     duplicates = events[5:40:7]  # re-sent events are ignored
 
-    worker.start()
     with reading(kafka_settings, kafka_settings.topics().samples) as samples:
         produce(kafka_settings, event_records(events + duplicates))
+        worker.start()
+        samples.wait(lambda rs: len(rs) > 0, 15, worker)  # first output within 15 s of start
         samples.wait(lambda rs: sample_ids(rs) >= set(expected), 60, worker)
         time.sleep(1.0)  # nothing more comes
         got = [codec.decode(m.value(), expect=Sample) for m in samples.records]

@@ -20,15 +20,8 @@ from rollstream.schemas import (
     Sample,
     Trajectory,
 )
-from rollstream.streams.books import (
-    GroupBook,
-    Out,
-    PartitionClock,
-    RolloutBook,
-    Sink,
-    Step,
-    TrajectoryRouter,
-)
+from rollstream.streams.aggregation import GroupBook, TrajectoryRouter
+from rollstream.streams.books import Out, PartitionClock, RolloutBook, Sink, Step
 from rollstream.streams.core import (
     BuilderConfig,
     GroupClosed,
@@ -79,20 +72,22 @@ def run_all(b: RolloutBook, recs: list[tuple[bytes, bytes]]) -> list[Step]:
 # --- builder ---------------------------------------------------------------------------------
 
 
-def test_a_rollout_writes_each_event_once_then_closes_behind_a_barrier() -> None:
+def test_a_rollout_writes_each_event_once_and_its_tombstone_after_the_trajectory() -> None:
     events = make_rollout(np.random.default_rng(0), "r1", "g1")
     steps = run_all(book(), records(events))
+    for step in steps:
+        assert not step.barrier and len(step.writes) == 1 and step.writes[0][1] is not None
     for step in steps[:-1]:
-        assert step.sends == [] and len(step.writes) == 1 and not step.barrier
-        assert step.writes[0][1] is not None
+        assert step.sends == [] and step.deferred == []
     close = steps[-1]
-    assert close.barrier and [o.sink for o in close.sends] == [Sink.TRAJECTORIES]
+    assert [o.sink for o in close.sends] == [Sink.TRAJECTORIES]
     (want,) = replay(events)[1]
     assert codec.decode(close.sends[0].value) == want
     assert dict(close.sends[0].headers) == {"group_id": b"g1"}
-    tombstone, *deletes = close.writes
+    tombstone, *deletes = close.deferred  # written once the trajectory is acknowledged
     assert tombstone[0].startswith(b"c/0/") and tombstone[1]
-    assert sorted(k for k, v in deletes if v is None) == sorted(s.writes[0][0] for s in steps[:-1])
+    assert sorted(k for k, v in deletes if v is None) == sorted(s.writes[0][0] for s in steps)
+    assert close.on_done is not None
 
 
 def test_duplicates_write_nothing_and_garbage_goes_to_the_dlq() -> None:
@@ -134,12 +129,12 @@ def test_inactivity_timeout_closes_and_old_tombstones_are_forgotten() -> None:
     assert b.expire(T0 + timeout // 2) == []
     (step,) = b.expire(T0 + timeout + 10)
     trajectory = codec.decode(step.sends[0].value)
-    assert trajectory.status == "truncated" and step.barrier
+    assert trajectory.status == "truncated" and step.deferred[0][0].startswith(b"c/")
     assert "r1" in b.closed and "r1" not in b.open
     assert b.expire(T0 + 2 * timeout) == []  # busy until the shell ran the step
-    step.on_done()  # type: ignore[misc]
+    step.on_done()
     (evict,) = b.expire(T0 + timeout + b.config.closed_retention_us + 100)
-    assert evict.writes == [(step.writes[0][0], None)] and b.closed == {}
+    assert evict.writes == [(step.deferred[0][0], None)] and b.closed == {}
 
 
 def test_the_clock_follows_event_time_and_moves_on_when_idle() -> None:
@@ -159,29 +154,41 @@ def crash_and_recover(
 ) -> list[Out]:
     """Run the records; SIGKILL at a random point; rebuild from what the changelog kept;
     replay from a committed offset the flush-before-commit rule allows. Returns every output
-    that reached Kafka, before and after the crash."""
+    that reached Kafka, before and after the crash.
+
+    The changelog is one ordered log: each step's writes in step order, its deferred writes
+    issued at some later point (once its sends were acknowledged); a crash keeps a prefix.
+    A step's sends reached Kafka if its barrier writes or its deferred writes are in that
+    prefix, or if its record is below the committed offset (flushed), else maybe."""
     first = make_book()
-    steps = [first.on_record(0, i, k, v, T0) for i, (k, v) in enumerate(recs)]
-    cut = rng.randrange(len(steps) + 1)  # steps before it are complete
-    durable: list[Out] = [o for s in steps[:cut] for o in s.sends]
+    processed = rng.randrange(len(recs) + 1)  # records processed before the crash
+    steps = [first.on_record(0, i, *recs[i], T0) for i in range(processed)]
+    log: list[tuple[int, str, bytes, bytes | None]] = []  # (step, kind, key, value)
+    later: dict[int, list[int]] = {}  # step index -> steps whose deferred writes come after it
+    for i in range(len(steps)):
+        later.setdefault(rng.randrange(i, len(steps)), []).append(i)
+    for i, step in enumerate(steps):
+        log += [(i, "w", k, v) for k, v in step.writes]
+        for j in later.get(i, []):
+            log += [(j, "d", k, v) for k, v in steps[j].deferred]
+    kept = log[: rng.randrange(len(log) + 1)]
     table: dict[bytes, bytes] = {}
-
-    def write(step: Step, upto: int | None = None) -> None:
-        for key, value in step.writes[:upto]:
-            if value is None:
-                table.pop(key, None)
-            else:
-                table[key] = value
-
-    for step in steps[:cut]:
-        write(step)
-    if cut < len(steps):  # the step being executed: some sends out, maybe some writes
-        step = steps[cut]
-        sent = [o for o in step.sends if rng.random() < 0.5]
-        durable += sent
-        if not step.barrier or len(sent) == len(step.sends):
-            write(step, rng.randrange(len(step.writes) + 1))
-    committed = rng.randrange(cut + 1)  # only records whose every write was durable
+    for _, _, key, value in kept:
+        if value is None:
+            table.pop(key, None)
+        else:
+            table[key] = value
+    written = {(i, kind) for i, kind, _, _ in kept}
+    # the committed offset: every write of the records below it is in the kept prefix
+    committed = 0
+    while committed < processed and ((committed, "w") in written or not steps[committed].writes):
+        committed += 1
+    committed = rng.randrange(committed + 1)
+    durable: list[Out] = []
+    for i, step in enumerate(steps):
+        acked = (i, "d") in written or (step.barrier and (i, "w") in written) or i < committed
+        if acked or rng.random() < 0.5:
+            durable += step.sends
     second = make_book()
     after = [o for s in second.rebuild(list(table.items()), {0}, T0) for o in s.sends]
     for i in range(committed, len(recs)):
@@ -265,6 +272,11 @@ def test_the_offset_guard_refills_holes_and_skips_repeats() -> None:
     assert guard.due(2.5, ends) == []
     assert guard.due(2.9, ends) == [(a, 13)]  # still: a stall, seek
     assert guard.due(4.0, {a: 13, b: 6}.get) == []  # caught up: nothing to fetch
+    busy = OffsetGuard(retry_s=1.0)
+    busy.reset({a: 0, b: 0}, now=0.0)
+    for t in range(1, 6):  # b keeps the worker busy: a waits its turn, it is not stalled
+        assert busy.admit(b, t - 1, float(t)) == (Admit.PROCESS, t - 1)
+        assert busy.due(t + 0.5, {a: 9, b: 99}.get) == []
     assert guard.admit(a, 20, 4.1) == (Admit.SEEK, 13)
     assert guard.admit(a, 20, 5.2) == (Admit.ACCEPT, 13)  # a real gap after 2 seeks
     assert guard.admit(a, 21, 5.2) == (Admit.PROCESS, 21)
