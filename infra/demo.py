@@ -56,6 +56,14 @@ def _latest_version(results: list[AgentResult]) -> int:
     return max((max(r.policy_versions) for r in results if r.policy_versions), default=0)
 
 
+def _measured_version(results: list[AgentResult]) -> int:
+    """The newest policy some rollout ran under from its first call: the demo runs until the last
+    trained policy has rollouts of its own (a rollout that merely saw a reload mid-way counts
+    under the version it started with, as in `rewards_by_version`)."""
+    return max((min(r.policy_versions) for r in results
+                if r.policy_versions and r.error is None), default=0)
+
+
 def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
     """Final reward of each rollout under the policy version that produced its first call."""
     out: dict[int, list[float]] = defaultdict(list)
@@ -197,7 +205,7 @@ def run(settings: DemoSettings) -> int:
         round_no = 0
         with ThreadPoolExecutor(settings.demo_workers) as pool, \
                 Live(reward_table(results), console=console, refresh_per_second=2) as live:
-            while time.monotonic() < deadline and _latest_version(results) < settings.demo_steps:
+            while time.monotonic() < deadline and _measured_version(results) < settings.demo_steps:
                 sup.check()
                 futures = [
                     pool.submit(agent.run, task, f"{run_id}-r{round_no}-{task.task_id}",
