@@ -75,6 +75,8 @@ log = logging.getLogger("rollstream.producers")
 
 HEALTHY, DEGRADED, CLOSED = "healthy", "degraded", "closed"
 _BATCH = 2000  # messages handed to the client per step before serving delivery reports
+_LINGER_S = 0.001  # while busy, the thread looks for new events this often (like linger.ms)
+_NAP_FOR_S = 0.2  # ... for this long after the last event, then sleeps until woken
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,8 @@ class Delivery:
         self.probe_interval_s = probe_interval_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._asleep = False  # the thread sleeps long and must be woken (see _idle_wait)
+        self._active_at = 0.0  # last time the thread moved an event
         self._closing = threading.Event()
         self._deadline = float("inf")
         self._queue: deque[SpoolItem] = deque()
@@ -160,7 +164,7 @@ class Delivery:
             if not self._to_spool:
                 if len(self._queue) < self.queue_size:
                     self._queue.append(item)
-                    if len(self._queue) == 1:
+                    if self._asleep:  # read after the append: see _idle_wait
                         self._wake.set()
                     return
                 self._to_spool = True
@@ -285,13 +289,31 @@ class Delivery:
             now >= self._deadline or self.idle() or (self._state == DEGRADED and not self._pending)
         ):
             return True
-        if not moved:
-            if self._pending:
-                self.transport.poll(0.005)
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
+        if moved:
+            self._active_at = now
+        elif self._pending:
+            self.transport.poll(0.005)
+        else:
+            self._idle_wait(now)
         return False
+
+    def _idle_wait(self, now: float) -> None:
+        """Nothing to do. While events keep coming, nap ``_LINGER_S`` and look again, so the
+        harness never pays for waking this thread (a wake per event costs more than the whole
+        event: every handover of the GIL is a context switch). After ``_NAP_FOR_S`` without
+        events, sleep until woken: ``submit`` wakes the thread only in that state. The flag is
+        set BEFORE the queue is checked and read by ``submit`` AFTER its append, so one of the
+        two always sees the other: no event waits for the long timeout."""
+        if now - self._active_at < _NAP_FOR_S:
+            time.sleep(_LINGER_S)
+            return
+        self._asleep = True
+        try:
+            if not self._queue:
+                self._wake.wait(0.05)
+        finally:
+            self._asleep = False
+            self._wake.clear()
 
     def _stalled(self, now: float) -> bool:
         if not self._pending or now - self._last_ok < self.degrade_after_s:

@@ -28,7 +28,24 @@ _pack_double = struct.Struct("<d").pack
 _pack_float = struct.Struct("<f").pack
 
 
+def _varint(n: int) -> bytes:
+    n = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while n & ~0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = 1 << 14  # lengths, counts, seqs, versions: one lookup instead of a loop
+_SMALL_LONGS = [_varint(n) for n in range(_SMALL)]
+
+
 def _long(buf: bytearray, n: int) -> None:
+    if 0 <= n < _SMALL:
+        buf += _SMALL_LONGS[n]
+        return
     n = (n << 1) ^ (n >> 63)
     while n & ~0x7F:
         buf.append((n & 0x7F) | 0x80)
@@ -38,13 +55,15 @@ def _long(buf: bytearray, n: int) -> None:
 
 def _string(buf: bytearray, s: str) -> None:
     data = s.encode()
-    _long(buf, len(data))
+    n = len(data)
+    buf += _SMALL_LONGS[n] if n < _SMALL else _varint(n)
     buf += data
 
 
 def _bytes(buf: bytearray, v: Any) -> None:
     data = v.tobytes() if isinstance(v, np.ndarray) else bytes(v)
-    _long(buf, len(data))
+    n = len(data)
+    buf += _SMALL_LONGS[n] if n < _SMALL else _varint(n)
     buf += data
 
 

@@ -123,6 +123,27 @@ def test_10k_events_from_100_concurrent_rollouts(
     assert_exactly_once_in_order(consume_all(kafka_settings), 10_000)
 
 
+def test_events_to_topics_created_a_moment_ago_all_arrive(
+    kafka: KafkaBroker, namespace: str, tmp_path: Path
+) -> None:
+    """The recorder starts the instant CreateTopics returns, before the new partitions have
+    settled (leaders moving in, NOT_LEADER / UNKNOWN_TOPIC answers): every event still arrives
+    exactly once and in order, and flush() means it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    for trial in range(3):
+        common = CommonSettings(kafka_bootstrap=kafka.bootstrap, namespace=f"{namespace}n{trial}")
+        admin = AdminClient(common.kafka_config())
+        for future in admin.create_topics([NewTopic(common.topics().events, 6, 1)]).values():
+            future.result(30)
+        recorder = Recorder(sdk_settings(common, tmp_path / str(trial), degrade_after_s=120))
+        run_rollouts(recorder, 20, 5, threads=4)
+        assert recorder.flush(60)
+        stats = recorder.close()
+        assert (stats.sent, stats.spooled, stats.dropped, stats.failed) == (100, 0, 0, 0)
+        assert_exactly_once_in_order(consume_all(common), 100)
+
+
 @pytest.fixture
 def own_broker(tmp_path: Path, kafka_classpath: str) -> Iterator[KafkaBroker]:
     """A broker of this test's own (killing it leaves the session broker alone)."""
