@@ -12,8 +12,10 @@ call after every turn, groups of 8, events of a group interleaved):
 
 Figures use the CPU time of this single-threaded process (best of the repeats): the machine is
 shared, and wall time would also count other processes' turns on the core; wall-clock figures
-are reported beside them. ``decode_only_tokens_per_s`` is Codec.decode alone, the pipeline's
-ceiling. Last stdout line: one JSON object with the figures.
+are reported beside them. ``decode_only_tokens_per_s`` is Codec.decode alone and
+``apply_only_tokens_per_s`` the trajectory builder alone (events decoded beforehand): with the
+whole pipeline's figure they split the time per token into decode, trajectory and samples
+(``ns_per_token``). Last stdout line: one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -205,8 +207,24 @@ def main() -> None:
                 codec.decode(data)
             decode_cpu = min(decode_cpu, time.process_time() - cpu)
         result[name]["decode_only_tokens_per_s"] = round(carried / decode_cpu)
+        events = [codec.decode(data) for data in encoded]
+        apply_cpu = float("inf")
+        for _ in range(repeats):  # the trajectory builder alone
+            cpu = time.process_time()
+            states: dict[str, Any] = {}
+            for event in events:
+                states[event.rollout_id], _ = apply(states.get(event.rollout_id), event)
+            apply_cpu = min(apply_cpu, time.process_time() - cpu)
+        del events, states
+        result[name]["apply_only_tokens_per_s"] = round(carried / apply_cpu)
         for mode in SampleMode:
             figures = measure(encoded, carried, mode, repeats)
+            whole_ns = figures["cpu_seconds"] * 1e9 / carried
+            figures["ns_per_token"] = {
+                "decode": round(decode_cpu * 1e9 / carried, 1),
+                "trajectory": round(apply_cpu * 1e9 / carried, 1),
+                "samples_and_rest": round(whole_ns - (decode_cpu + apply_cpu) * 1e9 / carried, 1),
+            }
             result[name][str(mode)] = figures
             print(
                 f"{name:12s} {mode!s:5s} {figures['tokens_per_s'] / 1e6:6.2f} M tokens/s "

@@ -8,8 +8,12 @@ Wire formats:
 - Confluent Schema Registry framing (when a registry URL is given): ``00`` + 4-byte big-endian
   schema id + body; ids are registered and fetched through the registry's REST API.
 
-Token arrays are packed bytes fields (see events.py), so a decode is fastavro's record read plus
-one ``np.frombuffer`` per array. ``Codec.decode`` never raises anything but ``DecodeError``.
+Token arrays are packed bytes fields (see events.py), so a decode reads the record plus one
+``np.frombuffer`` per array. ``Codec.decode`` reads records written with the reader schema itself
+(the usual case) through a reader compiled from that schema (fastread.py), straight into the
+typed classes; a record written with another schema version goes through fastavro's schema
+resolution and ``from_avro``. ``decode_dict`` always uses fastavro. ``Codec.decode`` never
+raises anything but ``DecodeError``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .events import (
     TrajectoryNode,
     Usage,
 )
+from .fastread import Reader, ReadError, compile_reader
 from .fastwrite import Writer, compile_writer
 
 __all__ = [
@@ -57,6 +62,7 @@ RECORD_TYPES: dict[str, type[Any]] = {
     "rollstream.Trajectory": Trajectory,
     "rollstream.Sample": Sample,
 }
+_MISS: Any = object()
 _TYPE_NAMES = {cls: name for name, cls in RECORD_TYPES.items()}
 _RECORD_CLASSES: dict[str, type[Any]] = {
     **RECORD_TYPES,
@@ -206,6 +212,10 @@ class Codec:
         # a writer schema other than the reader (used to produce old/new versions in tests)
         self._writers: dict[str, _Schema] = {}
         self._compiled: dict[str, tuple[bytes, Writer]] = {}
+        # header bytes (C3 01 + fingerprint, or 00 + registry id) -> compiled reader, for the
+        # writer schemas that are their reader schema; None: use fastavro's resolution
+        self._fast: dict[bytes, tuple[int, str, type[Any], Reader] | None] = {}
+        self._readers: dict[str, Reader | None] = {}  # by record name
         for name, schema_json in (writer_overrides or {}).items():
             fp = self.schemas.add_writer(schema_json)
             self._writers[name] = self.schemas.writers[fp]
@@ -297,7 +307,45 @@ class Codec:
             raise DecodeError(f"{len(data) - buf.tell()} trailing bytes after {writer.name}", data)
         return writer.name, record  # type: ignore[return-value]
 
+    def _fast_reader(self, data: bytes) -> tuple[int, str, type[Any], Reader] | None:
+        """The compiled reader for the header of ``data`` when its writer schema is the reader
+        schema (same canonical form); None otherwise. Raises what ``_resolve`` raises."""
+        writer, offset = self._resolve(data)
+        reader = self.schemas.readers.get(writer.name)
+        entry = None
+        if reader is not None and reader.fingerprint == writer.fingerprint:
+            if writer.name not in self._readers:
+                try:
+                    self._readers[writer.name] = compile_reader(reader.json, _RECORD_CLASSES)
+                except Exception:  # a schema or class the compiled reader cannot handle
+                    self._readers[writer.name] = None
+            read = self._readers[writer.name]
+            if read is not None:
+                entry = (offset, writer.name, RECORD_TYPES[writer.name], read)
+        self._fast[data[:offset]] = entry
+        return entry
+
     def decode(self, data: bytes, expect: type[Any] | None = None) -> Any:
+        if type(data) is not bytes:
+            if not isinstance(data, bytearray | memoryview):
+                raise DecodeError(f"expected bytes, got {type(data).__name__}", b"")
+            data = bytes(data)
+        fast = self._fast.get(data[:10], _MISS)
+        if fast is _MISS and data[:1] == CONFLUENT_MAGIC:
+            fast = self._fast.get(data[:5], _MISS)
+        if fast is _MISS:
+            fast = self._fast_reader(data)
+        if fast is not None:
+            offset, name, cls, read = fast
+            try:
+                record, end = read(data, offset)
+            except ReadError as exc:
+                raise DecodeError(f"{name}: {exc}", data) from exc
+            if end != len(data):
+                raise DecodeError(f"{len(data) - end} trailing bytes after {name}", data)
+            if expect is not None and cls is not expect:
+                raise DecodeError(f"expected {expect.__name__}, got {cls.__name__}", data)
+            return record
         name, record = self.decode_dict(data)
         cls = RECORD_TYPES[name]
         if expect is not None and cls is not expect:

@@ -18,14 +18,17 @@ sample_id = blake2b-128 hex of "mode \\x1f rollout_id \\x1f call ids from the ro
 (tree mode: the tree's first root call): the same trajectory always yields the same ids and
 bytes.
 
-Work is one numpy concatenation per sample array; Python touches each node a constant number
-of times, plus once per leaf for the stretch of path only it has (the slices of a stretch that
-several leaves share are listed once, at the branch point, and never copied twice).
+Work: every node's tokens are laid end to end once as the packed bytes of the four sample
+arrays (``_Flat``: one ``bytes.join`` each); a sample array is one more join of the few flat
+ranges its path covers (nodes that follow each other in the layout merge into one range, so an
+append-only path is one slice). Python touches each node a constant number of times (its
+path-so-far is made once, from its parent's) and each leaf once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -40,17 +43,20 @@ from rollstream.schemas.events import (
     Sample,
     SampleMode,
     Trajectory,
+    TrajectoryNode,
 )
 
 from .config import SampleConfig
-from .trie import Piece, TokenTrie
+from .trie import Piece, TokenTrie, join_buffers
 
 __all__ = ["build_samples", "sample_id"]
 
 _SEP = "\x1f"
 _DEFAULT = SampleConfig()
-_ZEROS = np.zeros(1 << 16, F32)  # read-only source of the zero logprobs of prompt tokens
-_ZEROS.flags.writeable = False
+_PROMPT_VERSION = struct.pack("<q", -1)  # token policy version of prompt tokens
+_I64_PACK = struct.Struct("<q").pack
+_NO_RANGES: list[int] = []
+_NO_VERSIONS: frozenset[int] = frozenset()
 Array = np.ndarray[Any, Any]
 Arrays = tuple[Array, Array, Array, Array]  # (ids, loss mask, logprobs, token versions)
 
@@ -68,6 +74,7 @@ def build_samples(
     leaves = trie.leaves()
     if not leaves:
         return []
+    flat = _Flat(trajectory.nodes, trie)
     if config.mode is SampleMode.PATH:
         weight = 1.0 / len(leaves)
         return [
@@ -76,24 +83,28 @@ def build_samples(
                 SampleMode.PATH,
                 path.hasher.hexdigest(),
                 trajectory.nodes[leaf].call_id,
+                flat,
                 path,
                 None,
                 advantage,
                 weight,
             )
-            for leaf, path in zip(leaves, _paths(trie, leaves, trajectory.rollout_id), strict=True)
+            for leaf, path in zip(
+                leaves, _paths(trie, flat, leaves, trajectory.rollout_id), strict=True
+            )
         ]
     samples = []
     for first in trie.root_runs:
         root = trie.nodes[trie.runs[first].node].call_id
         pieces, parents, num_leaves = trie.packed(first, leaves)
-        packed = _extend(None, pieces, _hasher(SampleMode.TREE, trajectory.rollout_id, [root]))
+        packed = _packed(flat, pieces, _hasher(SampleMode.TREE, trajectory.rollout_id, [root]))
         samples.append(
             _sample(
                 trajectory,
                 SampleMode.TREE,
                 packed.hasher.hexdigest(),
                 root,
+                flat,
                 packed,
                 parents,
                 advantage,
@@ -103,15 +114,54 @@ def build_samples(
     return samples
 
 
-class _Path(NamedTuple):
-    """A root-to-somewhere path as the slices that make it up (materialized only for a
-    sample, so a shared stretch is never copied twice) and what a sample needs about it."""
+class _Flat:
+    """Every node's own tokens laid end to end, node after node, as the packed bytes of the
+    four sample arrays (ids, loss mask, behaviour logprobs, token versions), each made with
+    one ``join``; token ``offset[i]`` is where node i's tokens start. A sample is then a few
+    slices of these joined once more: a stretch of path whose nodes follow each other here
+    (an append-only chain) is one slice. (``bytes.join`` over buffers costs a fraction of
+    ``np.concatenate`` per part, and the constant runs are bytes repetitions.)"""
 
-    ids: list[Array]
-    logprobs: list[Array]
-    lengths: list[int]
-    flags: list[int]  # loss mask value of each slice
-    versions: list[int]  # token policy version of each slice (-1 for prompt slices)
+    __slots__ = ("ids", "logprobs", "mask", "offset", "versions")
+
+    def __init__(self, nodes: list[TrajectoryNode], trie: TokenTrie) -> None:
+        masks: list[bytes] = []
+        logprobs: list[Any] = []
+        versions: list[bytes] = []
+        patterns: dict[int, bytes] = {}  # policy version -> its 8 bytes
+        for node, n in zip(nodes, trie.seg_len, strict=True):
+            n_gen = len(node.completion_ids)
+            n_prompt = n - n_gen
+            pattern = patterns.get(node.policy_version)
+            if pattern is None:
+                pattern = patterns[node.policy_version] = _I64_PACK(node.policy_version)
+            masks += (b"\x00" * n_prompt, b"\x01" * n_gen)
+            logprobs += (b"\x00" * (4 * n_prompt), node.completion_logprobs)
+            versions += (_PROMPT_VERSION * n_prompt, pattern * n_gen)
+        self.offset = trie.offset
+        self.ids = memoryview(trie.id_bytes)
+        self.mask = memoryview(b"".join(masks))
+        self.logprobs = memoryview(join_buffers(logprobs))
+        self.versions = memoryview(b"".join(versions))
+
+    def arrays(self, ranges: list[int]) -> Arrays:
+        """The four arrays (new, writable) of the flat token ranges [ranges[0], ranges[1]),
+        [ranges[2], ranges[3]), ..."""
+        spans = list(zip(ranges[::2], ranges[1::2], strict=True))
+        ids, mask, logprobs, versions = self.ids, self.mask, self.logprobs, self.versions
+        return (
+            np.frombuffer(bytearray().join([ids[4 * a : 4 * b] for a, b in spans]), U32),
+            np.frombuffer(bytearray().join([mask[a:b] for a, b in spans]), U8),
+            np.frombuffer(bytearray().join([logprobs[4 * a : 4 * b] for a, b in spans]), F32),
+            np.frombuffer(bytearray().join([versions[8 * a : 8 * b] for a, b in spans]), I64),
+        )
+
+
+class _Path(NamedTuple):
+    """A root-to-somewhere path: its flat ranges (start, end, start, end, ...; adjacent ones
+    merged) and what a sample needs about it."""
+
+    ranges: list[int]
     hasher: Any  # blake2b over the sample id text so far
     generated: frozenset[int]  # policy versions of its generated tokens
     oldest_call: int  # smallest policy version of any call on it (when nothing is generated)
@@ -121,115 +171,77 @@ def _hasher(mode: SampleMode | str, rollout_id: str, call_ids: Sequence[str]) ->
     return hashlib.blake2b(_SEP.join((str(mode), rollout_id, *call_ids)).encode(), digest_size=16)
 
 
-def _zeros(n: int) -> Array:
-    return _ZEROS[:n] if n <= len(_ZEROS) else np.zeros(n, F32)
-
-
-def _extend(head: _Path | None, pieces: list[Piece], hasher: Any) -> _Path:
-    """``head`` followed by the pieces (each split into its prompt and completion slices)."""
-    ids: list[Array]
-    logprobs: list[Array]
-    lengths: list[int]
-    flags: list[int]
-    versions: list[int]
-    if head is None:
-        ids, logprobs, lengths, flags, versions = [], [], [], [], []
-        generated: frozenset[int] = frozenset()
-        oldest = min(node.policy_version for node, _, _ in pieces)
-    else:
-        ids, logprobs = list(head.ids), list(head.logprobs)
-        lengths, flags, versions = list(head.lengths), list(head.flags), list(head.versions)
-        generated = head.generated
-        oldest = min(head.oldest_call, *(node.policy_version for node, _, _ in pieces))
-    new_versions = set()
-    for node, start, end in pieces:
-        prompt = node.prompt_tokens
-        n_prompt = len(prompt)
-        if start < n_prompt:
-            stop = end if end < n_prompt else n_prompt
-            ids.append(prompt[start:stop])
-            logprobs.append(_zeros(stop - start))
-            lengths.append(stop - start)
-            flags.append(0)
-            versions.append(-1)
-        if end > n_prompt:
-            lo = start - n_prompt if start > n_prompt else 0
-            ids.append(node.completion_ids[lo : end - n_prompt])
-            logprobs.append(node.completion_logprobs[lo : end - n_prompt])
-            lengths.append(end - n_prompt - lo)
-            flags.append(1)
-            versions.append(node.policy_version)
-            new_versions.add(node.policy_version)
-    if new_versions - generated:
-        generated = generated | new_versions
-    return _Path(ids, logprobs, lengths, flags, versions, hasher, generated, oldest)
-
-
-def _arrays(path: _Path) -> Arrays:
-    """(ids, loss mask, logprobs, token versions) of a path: one concatenation each."""
-    if not path.ids:
-        return np.zeros(0, U32), np.zeros(0, U8), np.zeros(0, F32), np.zeros(0, I64)
-    counts = np.array(path.lengths)
-    return (
-        np.concatenate(path.ids),
-        np.repeat(np.array(path.flags, U8), counts),
-        np.concatenate(path.logprobs),
-        np.repeat(np.array(path.versions, I64), counts),
-    )
-
-
-def _paths(trie: TokenTrie, leaves: list[int], rollout_id: str) -> list[_Path]:
-    """Each leaf's path. A key (node, end) names the stretch of path up to position ``end`` of
-    that node's own tokens; ``through[key]`` counts the leaves whose path contains it. Walking
-    up from a leaf, the stretch ends where the count grows: a branch point, whose path is made
-    once (memo) and used as the head of every path below it."""
-    nodes, parent, seg_len = trie.nodes, trie.parent, trie.seg_len
-    through: dict[tuple[int, int], int] = {(leaf, seg_len[leaf]): 1 for leaf in leaves}
-    below = [0] * len(nodes)  # leaves at or under each node
+def _paths(trie: TokenTrie, flat: _Flat, leaves: list[int], rollout_id: str) -> list[_Path]:
+    """Each leaf's path. Per node, in node order (a parent comes before its children), what
+    its path holds up to where its own tokens begin, made from its parent's: the flat ranges,
+    the call ids, the generated policy versions and the oldest call version."""
+    nodes, parent, seg_len, offset = trie.nodes, trie.parent, trie.seg_len, flat.offset
+    needed = [False] * len(nodes)  # nodes on some leaf's path
     for leaf in leaves:
-        below[leaf] += 1
-    for i in range(len(nodes) - 1, -1, -1):  # children come after their parents
+        x = leaf
+        while x >= 0 and not needed[x]:
+            needed[x] = True
+            x = parent[x]
+    ranges: list[list[int]] = [_NO_RANGES] * len(nodes)
+    chain: list[str] = [""] * len(nodes)  # sample id text of the call ids root..node
+    generated: list[frozenset[int]] = [_NO_VERSIONS] * len(nodes)
+    oldest: list[int] = [0] * len(nodes)
+    for i, node in enumerate(nodes):
+        if not needed[i]:
+            continue
         up = parent[i]
-        if up >= 0 and below[i]:
-            below[up] += below[i]
-            key = (up, nodes[i].prefix_len - nodes[up].prefix_len)
-            through[key] = through.get(key, 0) + below[i]
-    memo: dict[tuple[int, int], _Path] = {}
+        if up < 0:
+            chain[i] = node.call_id
+            oldest[i] = node.policy_version
+            continue
+        upper = nodes[up]
+        end = node.prefix_len - upper.prefix_len  # where node i hangs in its parent's tokens
+        versions = generated[up]
+        version = upper.policy_version
+        if end > len(upper.prompt_tokens) and version not in versions:
+            versions = versions | {version}
+        generated[i] = versions
+        oldest[i] = oldest[up] if oldest[up] < version else version
+        chain[i] = chain[up] + _SEP + node.call_id
+        head, start = ranges[up], offset[up]
+        if head and head[-1] == start:  # node up's tokens continue the path's last range
+            ranges[i] = [*head[:-1], start + end]
+        else:
+            ranges[i] = [*head, start, start + end]
+    prefix = _SEP.join((str(SampleMode.PATH), rollout_id, ""))
     out = []
     for leaf in leaves:
-        stretches: list[tuple[tuple[int, int], int, list[tuple[int, int]]]] = []
-        key = (leaf, seg_len[leaf])
-        count, stretch = 1, [key]
-        head = None
-        x = leaf
-        while parent[x] >= 0:
-            up = parent[x]
-            up_key = (up, nodes[x].prefix_len - nodes[up].prefix_len)
-            if through[up_key] != count:  # a branch point above this stretch
-                stretches.append((key, count, stretch))
-                head = memo.get(up_key)
-                if head is not None:
-                    stretch = []
-                    break
-                key, count, stretch = up_key, through[up_key], []
-            stretch.append(up_key)
-            x = up
-        if stretch:
-            stretches.append((key, count, stretch))
-        for key, count, stretch in reversed(stretches):
-            stretch.reverse()  # root first
-            ids = [nodes[i].call_id for i, _ in stretch]
-            if head is None:
-                hasher = _hasher(SampleMode.PATH, rollout_id, ids)
-            else:
-                hasher = head.hasher.copy()
-                hasher.update("".join(_SEP + call_id for call_id in ids).encode())
-            head = _extend(head, [(nodes[i], 0, end) for i, end in stretch], hasher)
-            if count > 1:
-                memo[key] = head
-        assert head is not None
-        out.append(head)
+        node = nodes[leaf]
+        versions = generated[leaf]
+        version = node.policy_version
+        if seg_len[leaf] > len(node.prompt_tokens) and version not in versions:
+            versions = versions | {version}
+        head, start = ranges[leaf], offset[leaf]
+        if head and head[-1] == start:
+            leaf_ranges = [*head[:-1], start + seg_len[leaf]]
+        else:
+            leaf_ranges = [*head, start, start + seg_len[leaf]]
+        hasher = hashlib.blake2b((prefix + chain[leaf]).encode(), digest_size=16)
+        out.append(_Path(leaf_ranges, hasher, versions, min(oldest[leaf], version)))
     return out
+
+
+def _packed(flat: _Flat, pieces: list[Piece], hasher: Any) -> _Path:
+    """The packed tree's pieces, in order, as one path."""
+    ranges: list[int] = []
+    versions: set[int] = set()
+    oldest = min(node.policy_version for node, _, _, _ in pieces)
+    for node, i, start, end in pieces:
+        a, b = flat.offset[i] + start, flat.offset[i] + end
+        if a == b:
+            continue
+        if ranges and ranges[-1] == a:
+            ranges[-1] = b
+        else:
+            ranges += (a, b)
+        if end > len(node.prompt_tokens):
+            versions.add(node.policy_version)
+    return _Path(ranges, hasher, frozenset(versions), oldest)
 
 
 def _sample(
@@ -237,12 +249,13 @@ def _sample(
     mode: SampleMode,
     sid: str,
     leaf_id: str,
+    flat: _Flat,
     path: _Path,
     parents: Array | None,
     advantage: float,
     weight: float,
 ) -> Sample:
-    tokens, mask, logprobs, token_versions = _arrays(path)
+    tokens, mask, logprobs, token_versions = flat.arrays(path.ranges)
     versions = sorted(path.generated)
     return Sample(
         sample_id=sid,

@@ -140,7 +140,8 @@ class CallTree:
 
 
 def _same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    return len(a) == len(b) and bool((a == b).all())
+    """Equal token arrays (same dtype here): one memcmp, no temporary bool array."""
+    return len(a) == len(b) and a.tobytes() == b.tobytes()
 
 
 def _shared_continuation(parent: TrajectoryNode, q: int, prompt: np.ndarray[Any, Any]) -> int:

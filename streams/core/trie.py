@@ -19,21 +19,23 @@ against the few sibling runs it could share with.
 
 from __future__ import annotations
 
+import sys
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rollstream.schemas.events import I32, TrajectoryNode
+from rollstream.schemas.events import I32, U32, TrajectoryNode
 
 from .errors import InvalidTrajectory
 from .tree import full_len, lcp
 
-__all__ = ["Piece", "TokenTrie"]
+__all__ = ["Piece", "TokenTrie", "join_buffers"]
 
 Array = np.ndarray[Any, Any]
-Piece = tuple[TrajectoryNode, int, int]  # a node and a [start, end) range of its own tokens
+_NATIVE_U32 = sys.byteorder == "little" and memoryview(b"\0" * 4).cast("I").itemsize == 4
+Piece = tuple[TrajectoryNode, int, int, int]  # node, its index, a [start, end) of its tokens
 
 
 @dataclass(slots=True)
@@ -46,6 +48,17 @@ class _Run:
     kids: list[int]  # runs attached to one of this run's vertices, in creation order
 
 
+def join_buffers(parts: list[Any]) -> bytes:
+    """The bytes of arrays (and bytes) end to end: ``bytes.join`` over their buffers, a
+    fraction of ``np.concatenate``'s cost per part; a strided array is made contiguous first."""
+    try:
+        return b"".join(parts)
+    except (BufferError, TypeError):
+        return b"".join(
+            [np.ascontiguousarray(p).data if isinstance(p, np.ndarray) else p for p in parts]
+        )
+
+
 class TokenTrie:
     """The trie of one trajectory. Raises InvalidTrajectory for an inconsistent tree."""
 
@@ -54,13 +67,23 @@ class TokenTrie:
         self.share = share
         self.parent: list[int] = []  # effective tree parent (after walking up rewinds), -1
         self.seg_len = [len(n.prompt_tokens) + len(n.completion_ids) for n in nodes]
+        # every node's own tokens end to end (one join); node i's start at offset[i]
+        self.offset = [0] * (len(nodes) + 1)
+        total = 0
+        for i, n in enumerate(self.seg_len):
+            total += n
+            self.offset[i + 1] = total
+        self.id_bytes = join_buffers(
+            [a for n in nodes for a in (n.prompt_tokens, n.completion_ids)]
+        )
+        self._ids = np.frombuffer(self.id_bytes, U32)
+        self._id_list = memoryview(self.id_bytes).cast("I") if _NATIVE_U32 else self._ids
         self.root_runs: list[int] = []  # one per tree (a root call with tokens)
         self.runs: list[_Run] = []
         self.end_vertex: list[int] = []  # where each node's path ends (-1: empty root)
         self._run_v0: list[int] = []
         self._attached: dict[int, list[int]] = {}  # vertex (-1: none) -> runs starting under it
         self._locs: list[list[tuple[int, int, int]]] = []  # (own position, vertex, length)
-        self._tokens_cache: dict[int, Array] = {}
         self._next_vertex = 0
         index: dict[str, int] = {}
         for i, node in enumerate(nodes):
@@ -126,63 +149,71 @@ class TokenTrie:
 
     def _follow(self, i: int, attach: int, locs: list[tuple[int, int, int]]) -> tuple[int, int]:
         """Walk node i's tokens down existing vertices under ``attach`` while they match;
-        returns how many tokens matched and the last vertex reached."""
+        returns how many tokens matched and the last vertex reached. At each vertex the
+        candidates are the run's own next token, then the runs branching off there (in
+        creation order); the first that matches is followed."""
         pos, length = 0, self.seg_len[i]
+        runs, attached = self.runs, self._attached
         while pos < length:
-            candidates = []
-            if attach >= 0:  # the run's own next token, then runs branching off here
-                run = self.runs[self._run_of(attach)]
-                if attach - run.v0 + 1 < run.length:
-                    candidates.append((run, attach - run.v0 + 1))
-            candidates += [(self.runs[r], 0) for r in self._attached.get(attach, ())]
-            for run, offset in candidates:
-                k = self._match(run, offset, i, pos)
-                if k:
-                    locs.append((pos, run.v0 + offset, k))
-                    pos += k
-                    attach = run.v0 + offset + k - 1
-                    break
-            else:
+            k = 0
+            if attach >= 0:
+                run = runs[self._run_of(attach)]
+                offset = attach - run.v0 + 1
+                if offset < run.length:
+                    k = self._match(run, offset, i, pos)
+            if not k:
+                offset = 0
+                for r in attached.get(attach, ()):
+                    run = runs[r]
+                    k = self._match(run, 0, i, pos)
+                    if k:
+                        break
+            if not k:
                 break
+            locs.append((pos, run.v0 + offset, k))
+            pos += k
+            attach = run.v0 + offset + k - 1
         return pos, attach
 
-    def _token(self, i: int, pos: int) -> int:
-        node = self.nodes[i]
-        n_prompt = len(node.prompt_tokens)
-        return int(
-            node.prompt_tokens[pos] if pos < n_prompt else node.completion_ids[pos - n_prompt]
-        )
-
-    def _tokens(self, i: int) -> Array:
-        tokens = self._tokens_cache.get(i)
-        if tokens is None:
-            node = self.nodes[i]
-            tokens = np.concatenate([node.prompt_tokens, node.completion_ids])
-            self._tokens_cache[i] = tokens
-        return tokens
+    def _lcp(self, a: int, b: int, n: int) -> int:
+        """Longest common prefix of the n tokens at flat positions a and b (one memcmp when
+        they are all equal, the usual case for a shared prompt)."""
+        if n <= 0 or self._id_list[a] != self._id_list[b]:
+            return 0
+        data = self.id_bytes
+        if data[4 * a : 4 * (a + n)] == data[4 * b : 4 * (b + n)]:
+            return n
+        return lcp(self._ids[a : a + n], self._ids[b : b + n])
 
     def _match(self, run: _Run, offset: int, i: int, pos: int) -> int:
         """How many tokens of ``run`` from offset and of node i from pos are the same vertex:
         equal id and mask, and for generated tokens equal logprob and version."""
         sa, sb = run.start + offset, pos
         n = min(run.length - offset, self.seg_len[i] - pos)
-        if n <= 0 or self._token(run.node, sa) != self._token(i, sb):
+        if n <= 0:
             return 0
-        k = lcp(self._tokens(run.node)[sa : sa + n], self._tokens(i)[sb : sb + n])
+        fa, fb = self.offset[run.node] + sa, self.offset[i] + sb  # flat positions
+        if self._id_list[fa] != self._id_list[fb]:  # the usual miss, before any slicing
+            return 0
         a, b = self.nodes[run.node], self.nodes[i]
         # prompt tokens left before each side's completion: masks agree up to the nearer
         # boundary, and past it only when both sides cross it together
         pa, pb = max(len(a.prompt_tokens) - sa, 0), max(len(b.prompt_tokens) - sb, 0)
-        if pa != pb:
-            return min(k, pa, pb)
-        if k <= pa:
+        both = min(n, pa, pb)
+        k = self._lcp(fa, fb, both)
+        if k < both or pa != pb or n <= pa:
             return k
         if a.policy_version != b.policy_version:
             return pa
+        k = self._lcp(fa + pa, fb + pa, n - pa)  # the generated tokens' ids
+        if not k:
+            return pa
         ga, gb = sa + pa - len(a.prompt_tokens), sb + pb - len(b.prompt_tokens)
-        la = a.completion_logprobs[ga : ga + k - pa].view(np.uint32)
-        lb = b.completion_logprobs[gb : gb + k - pa].view(np.uint32)
-        return pa + lcp(la, lb)
+        la = a.completion_logprobs[ga : ga + k]
+        lb = b.completion_logprobs[gb : gb + k]
+        if la.tobytes() == lb.tobytes():
+            return pa + k
+        return pa + lcp(la.view(np.uint32), lb.view(np.uint32))
 
     # --- reading it -----------------------------------------------------------------------
 
@@ -226,6 +257,6 @@ class TokenTrie:
             if run.attach >= 0:
                 up = self._run_of(run.attach)
                 parents[out_offset[r]] = out_offset[up] + run.attach - self.runs[up].v0
-            pieces.append((self.nodes[run.node], run.start, run.start + run.length))
+            pieces.append((self.nodes[run.node], run.node, run.start, run.start + run.length))
         num_leaves = sum(1 for leaf in leaves if self._run_of(self.end_vertex[leaf]) in out_offset)
         return pieces, parents, num_leaves

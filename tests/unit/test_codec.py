@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import struct
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,6 +43,8 @@ from rollstream.schemas import (
     Usage,
     load_schema,
 )
+from rollstream.schemas.codec import _RECORD_CLASSES
+from rollstream.schemas.fastread import ReadError, compile_reader
 
 text = st.text(max_size=20)
 opt_text = st.none() | text
@@ -382,3 +386,174 @@ def test_registry_framing_round_trip(registry_url: str) -> None:
 def test_compiled_writer_matches_fastavro_byte_for_byte(record: Any) -> None:
     name = next(n for n, cls in RECORD_TYPES.items() if cls is type(record))
     assert CODEC.encode(record) == CODEC.encode_dict(name, record.to_avro())
+
+
+# --- the compiled reader (schemas/fastread.py) -------------------------------------------------
+
+
+def _fastavro_decode(data: bytes) -> Any:
+    """What the codec decoded before the compiled reader: fastavro's dict, then from_avro."""
+    name, raw = CODEC.decode_dict(data)
+    return RECORD_TYPES[name].from_avro(raw)
+
+
+def _identical(a: Any, b: Any) -> None:
+    """Equal field for field, with the same types (enum members, array dtypes, None)."""
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _identical(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _identical(a[key], b[key])
+    elif hasattr(type(a), "__dataclass_fields__"):
+        for name in type(a).__dataclass_fields__:
+            _identical(getattr(a, name), getattr(b, name))
+    elif isinstance(a, float):
+        assert a == b or (a != a and b != b)
+    else:
+        assert a == b
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(events, trajectories, samples(), policy_versions))
+def test_compiled_reader_matches_fastavro(record: Any) -> None:
+    name = next(n for n, cls in RECORD_TYPES.items() if cls is type(record))
+    read = compile_reader(CODEC.schemas.reader(name).json, _RECORD_CLASSES)
+    data = CODEC.encode(record)
+    direct, end = read(data, 10)
+    assert end == len(data)
+    expected = _fastavro_decode(data)
+    _identical(direct, expected)
+    _identical(CODEC.decode(data), expected)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(events, trajectories, samples(), policy_versions), st.data())
+def test_compiled_reader_on_garbage_agrees_with_fastavro_or_refuses(
+    record: Any, data: st.DataObject
+) -> None:
+    """Mangled bodies (cut, bytes overwritten, bytes inserted): the codec raises DecodeError
+    and nothing else; whatever it does decode, fastavro decodes to the same record."""
+    good = bytearray(CODEC.encode(record))
+    how = data.draw(st.sampled_from(["cut", "overwrite", "insert"]))
+    at = data.draw(st.integers(10, len(good) - 1))
+    if how == "cut":
+        bad = bytes(good[:at])
+    elif how == "overwrite":
+        chunk = data.draw(st.binary(min_size=1, max_size=4))
+        bad = bytes(good[:at] + chunk + good[at + len(chunk) :])
+    else:
+        bad = bytes(good[:at] + data.draw(st.binary(min_size=1, max_size=4)) + good[at:])
+    try:
+        decoded = CODEC.decode(bad)
+    except DecodeError as exc:
+        assert exc.raw == bad and exc.reason
+        if how == "cut":
+            assert "truncated" in exc.reason
+        return
+    _identical(decoded, _fastavro_decode(bad))
+
+
+def test_every_cut_of_an_event_is_a_truncation() -> None:
+    data = CODEC.encode(_llm_event())
+    for cut in range(10, len(data)):
+        with pytest.raises(DecodeError, match="truncated") as info:
+            CODEC.decode(data[:cut])
+        assert info.value.raw == data[:cut]
+
+
+def _minimal_event(body: Any) -> bytes:
+    """An event whose envelope takes 8 bytes: the union index is at byte 18, the body after."""
+    data = CODEC.encode(Event(event_id="e", rollout_id="r", seq=0, ts=0, body=body))
+    assert data[10:18] == b"\x02e\x02r\x00\x00\x00\x02"
+    return data
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "reason"),
+    [
+        (18, b"\x0e", "bad union index 7"),
+        (18, b"\x01", "bad union index -1"),
+        (27, b"\x08", "bad enum index 4"),  # Reward.kind has 4 symbols
+        (27, b"\x01", "bad enum index -1"),  # fastavro would read the last symbol
+        (10, b"\x03", "negative string length"),
+        (10, b"\xff" * 10 + b"\x01", "varint longer than 10 bytes"),
+        (10, b"\x7e", "truncated: string of 63 bytes"),
+    ],
+)
+def test_bad_bytes_in_the_body_are_decode_errors(offset: int, value: bytes, reason: str) -> None:
+    good = _minimal_event(Reward(value=1.0))
+    assert good[18:20] == b"\x06" + struct.pack("<d", 1.0)[:1]  # Reward is branch 3
+    bad = good[:offset] + value + good[offset + 1 :]
+    with pytest.raises(DecodeError, match=reason) as info:
+        CODEC.decode(bad)
+    assert info.value.raw == bad
+
+
+def test_packed_array_of_a_partial_item_is_a_decode_error() -> None:
+    event = _llm_event()
+    data = CODEC.encode(event)
+    body = event.body
+    assert isinstance(body, LlmCall)
+    packed = b"\x18" + body.prompt_delta.tobytes()  # 12 bytes: the prompt_delta field
+    at = data.index(packed)
+    bad = data[:at] + b"\x16" + data[at + 1 : at + 12] + data[at + 13 :]  # 11 bytes
+    with pytest.raises(DecodeError, match="buffer size must be a multiple"):
+        CODEC.decode(bad)
+
+
+def test_decode_accepts_bytearray_and_memoryview_and_refuses_other_types() -> None:
+    data = CODEC.encode(_llm_event())
+    assert CODEC.decode(bytearray(data)) == _llm_event()
+    assert CODEC.decode(memoryview(data)) == _llm_event()
+    with pytest.raises(DecodeError, match="expected bytes"):
+        CODEC.decode("text")  # type: ignore[arg-type]
+
+
+def test_decoded_arrays_are_read_only_and_aligned() -> None:
+    body = CODEC.decode(CODEC.encode(_llm_event())).body
+    for array in (body.prompt_delta, body.completion_ids, body.completion_logprobs):
+        assert not array.flags.writeable and array.flags.aligned
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    tags: list[str]
+    scale: float | None = None
+
+
+def test_compile_reader_on_a_plain_dataclass_and_what_it_refuses() -> None:
+    schema = {
+        "type": "record",
+        "name": "Point",
+        "namespace": "t",
+        "fields": [
+            {"name": "x", "type": "long"},
+            {"name": "skipped", "type": {"type": "map", "values": "boolean"}},
+            {"name": "tags", "type": {"type": "array", "items": "string"}},
+            {"name": "scale", "type": ["null", "float"]},
+        ],
+    }
+    read = compile_reader(schema, {"t.Point": _Point})
+    data = b"\x03" + b"\x02\x02k\x01\x00" + b"\x04\x02a\x00\x00" + b"\x02" + struct.pack("<f", 2)
+    assert read(data, 0) == (_Point(-2, ["a", ""], 2.0), len(data))
+    with pytest.raises(ReadError, match="truncated"):
+        read(data[:-1], 0)
+    with pytest.raises(ReadError, match="block of 63 items at byte 3, 2 bytes left"):
+        read(b"\x03\x00\x7e\x02a", 0)  # an array block of 63 items in 2 bytes
+    with pytest.raises(TypeError, match=r"not in t\.Point"):
+        compile_reader({**schema, "fields": schema["fields"][:2]}, {"t.Point": _Point})
+    with pytest.raises(TypeError, match="no record class"):
+        compile_reader(schema, {})
+    bad_name = {"name": "x; import os", "type": "long"}
+    with pytest.raises(TypeError, match="not a Python identifier"):
+        compile_reader({**schema, "fields": [*schema["fields"], bad_name]}, {"t.Point": _Point})
+    with pytest.raises(TypeError, match="logical types"):
+        compile_reader({"type": "long", "logicalType": "timestamp-millis"}, {})

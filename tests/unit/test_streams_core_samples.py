@@ -231,3 +231,48 @@ def test_empty_calls_add_no_samples() -> None:
         (sample,) = build_samples(trajectory, config)
         assert sample.input_ids.tolist() == [1, 2] and sample.leaf_id == "c2"
         assert sample.loss_weight == 1.0
+
+
+def test_sample_arrays_are_fresh_whatever_the_node_arrays_are() -> None:
+    """Node arrays may be read-only views of decoded bytes or strided views; sample arrays
+    are new, writable, contiguous arrays that share memory with nothing."""
+    trajectory = trajectory_of(7, 12)
+    strided = Trajectory(
+        "r-random",
+        "t",
+        "g",
+        "completed",
+        1.0,
+        [
+            TrajectoryNode(
+                n.call_id,
+                n.parent_call_id,
+                n.prefix_len,
+                np.repeat(n.prompt_tokens, 2)[::2],  # same values, not contiguous
+                np.repeat(n.completion_ids, 2)[::2],
+                np.repeat(n.completion_logprobs, 2)[::2],
+                n.policy_version,
+                n.finish_reason,
+            )
+            for n in trajectory.nodes
+        ],
+    )
+    assert not all(n.completion_ids.flags.c_contiguous for n in strided.nodes)
+    codec = Codec()
+    decoded = codec.decode(codec.encode(trajectory))  # read-only views of the record bytes
+    for config in (PATH, TREE):
+        want = build_samples(trajectory, config)
+        for other in (strided, decoded):
+            assert [keys(s) for s in build_samples(other, config)] == [keys(s) for s in want]
+        samples = build_samples(decoded, config)
+        arrays = [
+            getattr(s, name)
+            for s in samples
+            for name in ("input_ids", "loss_mask", "behaviour_logprobs", "token_policy_versions")
+        ]
+        for i, a in enumerate(arrays):
+            assert a.flags.writeable and a.flags.c_contiguous
+            assert not any(np.shares_memory(a, b) for b in arrays[i + 1 :])
+            for node in decoded.nodes:
+                assert not np.shares_memory(a, node.prompt_tokens)
+                assert not np.shares_memory(a, node.completion_logprobs)
