@@ -7,17 +7,20 @@ Processes (each its own interpreter, so the proxy is what is measured):
   our proxy      rollstream's proxy (uvicorn, one worker) in front of the fake backend; every
                  call is rendered, tokenized, recorded as an LlmCall (in-memory transport, or a
                  real broker with --bootstrap) and answered
+  baseline       with --baseline-rev REV: the same proxy process built from that git revision
+                 (git archive into a temp dir, put first on PYTHONPATH), measured in the same
+                 run, so before/after compare under the same machine load
   LiteLLM        `litellm --config` (one worker) in front of the same fake backend, if installed
   load           64 streams (raw asyncio HTTP/1.1 keep-alive, one connection each), each a
                  multi-turn chat (the reply appended, a new user turn; reset after 8 turns)
 
-Phases, per round and target (direct, proxy, litellm): "closed" (each stream sends as soon as
-its last answer came: saturation throughput and latency under it) and "paced" (--rate requests/s
-in total, below every target's capacity: the per-call overhead without queueing). Medians over
-rounds. added_* = proxied - direct, per percentile.
+Phases, per round and target (direct, proxy, baseline, litellm): "closed" (each stream sends as
+soon as its last answer came: saturation throughput and latency under it) and "paced" (--rate
+requests/s in total, below every target's capacity: the per-call overhead without queueing).
+Medians over rounds. added_* = proxied - direct, per percentile.
 
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
-        [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT]
+        [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
 """
 
 from __future__ import annotations
@@ -160,9 +163,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    args: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     out = log.open("wb")
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+
+def baseline_tree(rev: str, work: Path) -> Path:
+    """The rollstream packages of git revision ``rev`` under ``work``; returns the directory to
+    put first on PYTHONPATH (``rollstream/<package>`` -> the revision's top-level folders)."""
+    src, pp = work / "baseline-src", work / "baseline-pp"
+    src.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    (pp / "rollstream").mkdir(parents=True)
+    for name in ("schemas", "producers", "streams", "consumers", "infra"):
+        (pp / "rollstream" / name).symlink_to(src / name)
+    return pp
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -263,7 +281,7 @@ async def run_phase(streams: list[Stream], duration: float, rate: float | None) 
 
 
 def make_streams(target: str, port: int, rollouts: list[dict[str, Any]], n: int) -> list[Stream]:
-    if target == "proxy":
+    if target in ("proxy", "baseline"):
         return [Stream("127.0.0.1", port, f"/rollouts/{r['rollout_id']}/v1/chat/completions",
                        r["token"], i) for i, r in enumerate(rollouts[:n])]  # fmt: skip
     return [Stream("127.0.0.1", port, "/v1/chat/completions", "sk-bench", i) for i in range(n)]
@@ -313,6 +331,8 @@ def main() -> None:
     ap.add_argument("--litellm", default=None)
     ap.add_argument("--bootstrap", default=None, help="record to this Kafka broker")
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--baseline-rev", default=None,
+                    help="also measure the proxy of this git revision (e.g. HEAD)")  # fmt: skip
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-proxy", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
@@ -343,19 +363,32 @@ def main() -> None:
                        "--model-path", str(mpath)]
                       + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
                       work / "proxy.log")  # fmt: skip
-        procs = [p for p in (fake, proxy, lite) if p is not None]
+        base = None
+        if args.baseline_rev:
+            bport = free_port()
+            env = {**os.environ, "PYTHONPATH": str(baseline_tree(args.baseline_rev, work))}
+            base = spawn([*me, "--serve-proxy", str(bport), "--backend",
+                          f"http://127.0.0.1:{fport}", "--model-path", str(mpath)]
+                         + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
+                         work / "baseline.log", env)  # fmt: skip
+        procs = [p for p in (fake, proxy, base, lite) if p is not None]
         try:
             assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "fake backend"
             ok = wait_http(f"http://127.0.0.1:{pport}/health", proxy, 90)
             assert ok, (work / "proxy.log").read_text()[-2000:]
             targets = {"direct": fport, "proxy": pport}
+            pids = {"direct": [fake.pid], "proxy": [proxy.pid, fake.pid]}
+            if base is not None:
+                ok = wait_http(f"http://127.0.0.1:{bport}/health", base, 90)
+                assert ok, (work / "baseline.log").read_text()[-2000:]
+                targets["baseline"], pids["baseline"] = bport, [base.pid, fake.pid]
             if lite is not None:
                 targets["litellm"] = lport  # measured last, if it is up by then
             admin = {"Authorization": f"Bearer {ADMIN}"}
-            rollouts = [httpx.post(f"http://127.0.0.1:{pport}/v1/rollouts", headers=admin,
-                                   json={"task_id": f"b{i}", "group_id": "bench"}).json()
-                        for i in range(args.streams)]  # fmt: skip
-            pids = {"direct": [fake.pid], "proxy": [proxy.pid, fake.pid]}
+            rollouts = {t: [httpx.post(f"http://127.0.0.1:{targets[t]}/v1/rollouts", headers=admin,
+                                       json={"task_id": f"b{i}", "group_id": "bench"}).json()
+                            for i in range(args.streams)]
+                        for t in ("proxy", "baseline") if t in targets}  # fmt: skip
             if lite is not None:
                 pids["litellm"] = [lite.pid, fake.pid]
             results: dict[str, dict[str, list[dict[str, Any]]]] = {
@@ -378,7 +411,8 @@ def main() -> None:
                                 del targets[target], results[target]
                                 break
                         for mode, rate in (("closed", None), ("paced", args.rate)):
-                            streams = make_streams(target, port, rollouts, args.streams)
+                            streams = make_streams(target, port, rollouts.get(target, []),
+                                                   args.streams)  # fmt: skip
                             await run_phase(streams[:4], 0.2, None)  # warm connections
                             cpu0 = {p.pid: cpu_seconds(p.pid) for p in procs}
                             res = await run_phase(streams, duration, rate)

@@ -29,9 +29,25 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+
+from .http1 import Http1Transport
+
+try:
+    import orjson
+
+    _dumps: Any = orjson.dumps
+    _loads: Any = orjson.loads
+except ImportError:  # pragma: no cover - orjson is a dependency
+    import json
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    _loads = json.loads
 
 __all__ = [
     "BackendError",
@@ -82,11 +98,12 @@ class Completion:
     latency_s: float = 0.0
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(response: httpx.Response | bytes) -> str:
+    raw = response if isinstance(response, bytes) else response.content
     try:
-        body = response.json()
+        body = _loads(raw)
     except ValueError:
-        return response.text[:500]
+        return raw[:500].decode("utf-8", "replace")
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and "message" in err:
@@ -108,7 +125,9 @@ def _token_ids_from_logprobs(tokens: list[Any]) -> list[int]:
 class CompletionBackend:
     """Async client for one inference server. ``base_url`` is the server root
     (``http://host:port``; a trailing ``/v1`` is accepted). Pass ``http`` to share a client
-    (it is then not closed by ``aclose``)."""
+    (it is then not closed by ``aclose``). Pass ``lean`` (the Http1Transport under that
+    client, or another one) and ``complete`` skips httpx: raw HTTP/1.1 over ``lean``'s pooled
+    connections, orjson both ways (http:// base URLs only; the caller closes ``lean``)."""
 
     def __init__(
         self,
@@ -120,6 +139,7 @@ class CompletionBackend:
         model: str | None = None,
         timeout_s: float = 300.0,
         api_key: str | None = None,
+        lean: Http1Transport | None = None,
     ) -> None:
         if kind not in ("reference", "vllm"):
             raise ValueError(f"unknown backend kind {kind!r}")
@@ -130,6 +150,10 @@ class CompletionBackend:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._version = 0
         self._paused_by_caller = False
+        self._lean_transport = lean
+        self._api_key = api_key
+        self._lean_url = ""  # the base_url _lean was made for (base_url may be reassigned)
+        self._lean: tuple[str, int, bytes, dict[str, Any]] | None = None
 
     async def __aenter__(self) -> CompletionBackend:
         return self
@@ -181,8 +205,12 @@ class CompletionBackend:
         stop_token_ids: list[int] | None = None,
     ) -> Completion:
         """Sample one completion of ``prompt_ids``; the stop token, if any, is included."""
+        if isinstance(prompt_ids, np.ndarray):
+            prompt = prompt_ids.astype(np.int64, copy=False).tolist()  # Python ints
+        else:
+            prompt = [int(t) for t in prompt_ids]
         body: dict[str, Any] = {
-            "prompt": [int(t) for t in prompt_ids],
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,
@@ -199,12 +227,54 @@ class CompletionBackend:
         if stop_token_ids:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
         started = time.perf_counter()
-        data = await self._json("POST", "/v1/completions", json=body)
+        if self._lean_transport is not None and self._lean_target() is not None:
+            data = await self._post_lean(body)
+        else:
+            data = await self._json("POST", "/v1/completions", json=body)
         latency = time.perf_counter() - started
         try:
             return self._parse(data, len(body["prompt"]), latency)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
+
+    def _lean_target(self) -> tuple[str, int, bytes, dict[str, Any]] | None:
+        """(host, port, request head up to Content-Length, timeouts) of POST /v1/completions
+        for the lean path; None for a base URL it does not serve (not http://)."""
+        if self._lean_url != self.base_url:
+            self._lean_url, self._lean = self.base_url, None
+            url = urlsplit(self.base_url)
+            if url.scheme == "http" and url.hostname:
+                t = self._http.timeout
+                timeouts = {"connect": t.connect, "read": t.read, "write": t.write, "pool": t.pool}
+                head = f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                head += "Accept: application/json\r\nContent-Type: application/json\r\n"
+                if self._api_key:
+                    head += f"Authorization: Bearer {self._api_key}\r\n"
+                self._lean = (url.hostname, url.port or 80, head.encode("latin-1"), timeouts)
+        return self._lean
+
+    async def _post_lean(self, body: dict[str, Any]) -> Any:
+        """POST /v1/completions without httpx; the same errors as ``_json``."""
+        assert self._lean is not None and self._lean_transport is not None
+        host, port, head, timeouts = self._lean
+        payload = _dumps(body)
+        try:
+            status, _, content = await self._lean_transport.exchange(
+                host, port, head + b"Content-Length: %d\r\n\r\n" % len(payload), payload,
+                timeouts,
+            )  # fmt: skip
+        except httpx.TransportError as exc:  # connect, read, write, pool, timeout
+            raise BackendUnavailable(f"POST /v1/completions: {exc!r}", backend=self.name) from exc
+        if status >= 400:
+            msg = f"POST /v1/completions: HTTP {status}: {_error_message(content)}"
+            kind = BackendUnavailable if status >= 500 else BackendRejected
+            raise kind(msg, backend=self.name, status=status)
+        if not content:
+            return None
+        try:
+            return _loads(content)
+        except ValueError as exc:
+            raise BackendProtocolError("/v1/completions: invalid JSON", backend=self.name) from exc
 
     def _parse(self, data: dict[str, Any], prompt_len: int, latency: float) -> Completion:
         choice = data["choices"][0]

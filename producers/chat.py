@@ -153,24 +153,24 @@ def normalize_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise ChatInputError("`messages` must be a non-empty list", "messages")
     out = []
-    for i, msg in enumerate(raw):
-        p = f"messages[{i}]"
+    for i, msg in enumerate(raw):  # the param names are built only for errors (hot path)
         if not isinstance(msg, dict):
-            raise ChatInputError("each message must be an object", p)
+            raise ChatInputError("each message must be an object", f"messages[{i}]")
         role = msg.get("role")
         if role not in ROLES:
-            raise ChatInputError(f"`role` must be one of {', '.join(ROLES)}", f"{p}.role")
-        m: dict[str, Any] = {
-            "role": "system" if role == "developer" else role,
-            "content": _text_content(msg.get("content"), f"{p}.content"),
-        }
-        if role == "assistant" and msg.get("tool_calls"):
-            m["tool_calls"] = _tool_calls(msg["tool_calls"], f"{p}.tool_calls")
-        elif m["content"] is None and role != "assistant":
-            raise ChatInputError("`content` is required", f"{p}.content")
-        if role == "tool":
+            raise ChatInputError(f"`role` must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        content = msg.get("content")
+        if content is not None and type(content) is not str:
+            content = _text_content(content, f"messages[{i}].content")
+        m: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant":
+            if msg.get("tool_calls"):
+                m["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        elif content is None:
+            raise ChatInputError("`content` is required", f"messages[{i}].content")
+        elif role == "tool":
             m["tool_call_id"] = str(msg.get("tool_call_id") or "")
-        if isinstance(msg.get("name"), str):
+        if "name" in msg and isinstance(msg["name"], str):
             m["name"] = msg["name"]
         out.append(m)
     return out

@@ -27,6 +27,7 @@ import jinja2
 import jinja2.ext
 import numpy as np
 import numpy.typing as npt
+from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -117,6 +118,10 @@ class ChatTemplate:
             self._template = env.from_string(template)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        self._env = env
+        # Template.render merges the globals (a ChainMap) into a new context on every call;
+        # merged once here, each render builds its context from a plain dict (same variables)
+        self._globals = dict(self._template.globals)
         self.tokenizer = tokenizer
         self.source = template
         self.name = name
@@ -128,6 +133,9 @@ class ChatTemplate:
         eos = self.special_tokens.get("eos_token")
         eos_id = tokenizer.token_to_id(eos) if eos else None
         self.eos_id: int | None = eos_id
+        self._segments: dict[str, Tokens] = {}  # text between added tokens -> its ids
+        self._segment_chars = 0
+        self._split = self._segment_splitter(tokenizer, added)
         nonce = secrets.token_hex(6)
         self._sentinel = f"\ue000rs{nonce}#{{}}\ue001"
         self._sentinel_re = re.compile(f"\ue000rs{nonce}#(\\d+)\ue001")
@@ -187,19 +195,87 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         """The template's text for ``messages`` (raises ChatInputError on a template error)."""
+        t = self._template
+        variables = {**self._globals, "messages": messages, "tools": tools or None,
+                     "documents": None, "add_generation_prompt": add_generation_prompt,
+                     **self.special_tokens, **kwargs}  # fmt: skip
         try:
-            return self._template.render(
-                messages=messages, tools=tools or None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs,
-            )  # fmt: skip
+            # what Template.render does, minus re-merging the globals and rewriting tracebacks
+            context = new_context(self._env, t.name, t.blocks, variables, True, None, None)
+            return str(self._env.concat(t.root_render_func(context)))  # type: ignore[attr-defined]
         except jinja2.TemplateError as exc:
             raise ChatInputError(f"the chat template rejected the messages: {exc}") from exc
         except (TypeError, KeyError, AttributeError) as exc:
             raise ChatInputError(f"the chat template cannot render the messages: {exc}") from exc
 
-    def encode(self, text: str) -> Tokens:
-        """Token ids of ``text`` (special tokens in the text become their ids; no BOS added)."""
+    MAX_SEGMENTS = 65_536  # the shared segment cache: entries, and characters (x 64) in all
+
+    def _segment_splitter(
+        self, tokenizer: Tokenizer, added: dict[int, Any]
+    ) -> re.Pattern[str] | None:
+        """A regex matching the added tokens the way ``tokenizers`` splits on them (leftmost,
+        longest first), or None when splitting there would not give the same ids: an added
+        token that strips spaces or matches whole words only, or one matched after a
+        normalizer, or a Metaspace pre-tokenizer that treats the first split apart."""
+        if not added or '"prepend_scheme":"first"' in tokenizer.to_str().replace(" ", ""):
+            return None
+        for t in added.values():
+            if t.lstrip or t.rstrip or t.single_word or (t.normalized and tokenizer.normalizer):
+                return None
+        self._added_ids = {t.content: np.asarray([i], dtype=_U32) for i, t in added.items()}
+        contents = sorted(self._added_ids, key=len, reverse=True)
+        split = re.compile("|".join(re.escape(c) for c in contents))
+        # and check it: each added token between text, spaces and newlines, both ways
+        self._split = split
+        probe = "".join(f"x{c} y\n{c}\n\n  z{c}{c}{c.upper()}" for c in contents) + " end "
+        if self.encode(probe).tolist() != self._encode_whole(probe).tolist():
+            return None
+        return split
+
+    def _encode_whole(self, text: str) -> Tokens:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=_U32)
+
+    def encode(self, text: str) -> Tokens:
+        """Token ids of ``text`` (special tokens in the text become their ids; no BOS added).
+
+        ``tokenizers`` cuts the text at added tokens (``<|im_start|>``...) and tokenizes each
+        piece between them on its own, so this does the same and remembers each piece's ids in
+        a cache shared by every caller: the template's scaffolding (``\n``, ``assistant\n``)
+        and text repeated across rollouts (a group's system prompt and tool list) are
+        tokenized once. When the tokenizer's added tokens do not allow that cut (see
+        ``_segment_splitter``; checked against the tokenizer at load), the whole text is
+        tokenized every time."""
+        split = self._split
+        if split is None:
+            return self._encode_whole(text)
+        parts: list[Tokens] = []
+        pos = 0
+        for m in split.finditer(text):
+            start = m.start()
+            if start > pos:
+                parts.append(self._segment(text[pos:start]))
+            parts.append(self._added_ids[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            parts.append(self._segment(text[pos:]))
+        if len(parts) == 1:
+            return parts[0].copy()
+        return np.concatenate(parts) if parts else np.zeros(0, _U32)
+
+    def _segment(self, text: str) -> Tokens:
+        ids = self._segments.get(text)
+        if ids is None:
+            ids = self._encode_whole(text)
+            ids.flags.writeable = False  # shared: callers get a view they cannot change
+            if (
+                len(self._segments) >= self.MAX_SEGMENTS
+                or self._segment_chars > 64 * self.MAX_SEGMENTS
+            ):
+                self._segments.clear()  # rarely: simpler and thread-safe, unlike an LRU
+                self._segment_chars = 0
+            self._segments[text] = ids
+            self._segment_chars += len(text)
+        return ids
 
     def decode(self, ids: Any, *, skip_special_tokens: bool = True) -> str:
         seq = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)

@@ -1,18 +1,25 @@
-"""A lean HTTP/1.1 keep-alive transport for ``httpx.AsyncClient``: the proxy's hop to its backends.
+"""A lean HTTP/1.1 keep-alive client: the proxy's hop to its backends.
 
 httpx's default transport (httpcore) costs about a millisecond of CPU per request, which is most
-of what the proxy adds to a call; this transport does the same job for plain-HTTP backends in a
-fraction of that, behind the same ``httpx.AsyncClient`` API (so ``CompletionBackend`` is
-unchanged). Scope, on purpose: ``http://`` only (backends sit next to the proxy; anything else
-goes through httpcore), HTTP/1.1 with keep-alive, one request per connection at a time,
-``Content-Length`` or chunked responses, no proxies, no HTTP/2.
+of what the proxy adds to a call. ``Http1Transport`` does the same job for plain-HTTP backends
+in a fraction of that. It is used two ways:
+
+- ``Http1Transport.exchange(...)``: raw bytes in, ``(status, headers, body)`` out, no httpx
+  objects built at all. ``CompletionBackend.complete`` (the per-call hot path) uses this.
+- ``httpx.AsyncClient(transport=Http1Transport())``: the same connections behind httpx's API,
+  for everything that is not per call (health, weight updates, pause/resume).
+
+Scope, on purpose: ``http://`` only (backends sit next to the proxy; anything else goes through
+httpcore), HTTP/1.1 with keep-alive, one request per connection at a time, ``Content-Length`` or
+chunked responses, no proxies, no HTTP/2.
 
 Connections: an idle pool per (host, port), reused last-in first-out, at most
 ``max_connections`` open. A request sent on a reused connection that the server had already
 closed (EOF before any response byte) is retried once on a fresh connection: the server never
 read it. Errors are httpx's (ConnectError, ConnectTimeout, ReadError, ReadTimeout, WriteError,
-RemoteProtocolError, PoolTimeout) so callers handle both transports alike. Timeouts come from
-the request (``request.extensions["timeout"]``, set by the client).
+WriteTimeout, RemoteProtocolError, PoolTimeout) so callers handle both paths alike. Timeouts are
+a dict with the keys connect/read/write/pool (seconds or None), as httpx passes them in
+``request.extensions["timeout"]``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Http1Transport"]
+__all__ = ["Http1Transport", "RawResponse"]
 
 _MAX_HEADER = 64 * 1024
+_NO_TIMEOUTS: dict[str, Any] = {}
+
+RawResponse = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
 
 
 class _Conn:
@@ -40,12 +50,58 @@ class _Conn:
 
 
 class Http1Transport(httpx.AsyncBaseTransport):
-    """``httpx.AsyncClient(transport=Http1Transport())``; https URLs fall back to httpcore."""
+    """``httpx.AsyncClient(transport=Http1Transport())`` (https URLs fall back to httpcore), or
+    ``await transport.exchange(...)`` without httpx on the way."""
 
     def __init__(self, *, max_connections: int = 512) -> None:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._slots = asyncio.Semaphore(max_connections)
         self._fallback: httpx.AsyncHTTPTransport | None = None
+
+    async def exchange(
+        self, host: str, port: int, head: bytes, body: bytes = b"",
+        timeouts: dict[str, Any] = _NO_TIMEOUTS, *, method: str = "POST",
+        request: httpx.Request | None = None,
+    ) -> RawResponse:  # fmt: skip
+        """Send ``head`` (a complete request head, Content-Length included when there is a
+        body) and ``body`` to host:port over a pooled keep-alive connection; return the status,
+        the response headers (raw; Transfer-Encoding removed) and the whole body."""
+        key = (host, port)
+        slots = self._slots
+        try:
+            if slots.locked():
+                async with asyncio.timeout(timeouts.get("pool")):
+                    await slots.acquire()
+            else:
+                await slots.acquire()
+        except TimeoutError:
+            raise httpx.PoolTimeout("no free connection", request=request) from None
+        try:
+            idle = self._idle.get(key)
+            reused = bool(idle)
+            conn = idle.pop() if idle else await self._connect(key, timeouts, request)
+            try:
+                status, headers, content, keep = await self._exchange(
+                    conn, head, body, timeouts, request, reused, method
+                )
+            except _Stale:
+                conn.close()
+                conn = await self._connect(key, timeouts, request)
+                status, headers, content, keep = await self._exchange(
+                    conn, head, body, timeouts, request, False, method
+                )
+            except BaseException:
+                conn.close()
+                raise
+            if keep:
+                if idle is None:
+                    self._idle[key] = idle = []
+                idle.append(conn)
+            else:
+                conn.close()
+        finally:
+            slots.release()
+        return status, headers, content
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
@@ -54,39 +110,10 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 self._fallback = httpx.AsyncHTTPTransport()
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
-        key = (url.host, url.port or 80)
-        try:
-            if self._slots.locked():
-                async with asyncio.timeout(timeouts.get("pool")):
-                    await self._slots.acquire()
-            else:
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout("no free connection", request=request) from None
-        try:
-            head, body = self._serialize(request, await request.aread())
-            idle = self._idle.get(key)
-            reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(key, timeouts, request)
-            try:
-                status, headers, content, keep = await self._exchange(
-                    conn, head, body, timeouts, request, reused
-                )
-            except _Stale:
-                conn.close()
-                conn = await self._connect(key, timeouts, request)
-                status, headers, content, keep = await self._exchange(
-                    conn, head, body, timeouts, request, False
-                )
-            except BaseException:
-                conn.close()
-                raise
-            if keep:
-                self._idle.setdefault(key, []).append(conn)
-            else:
-                conn.close()
-        finally:
-            self._slots.release()
+        head, body = self._serialize(request, await request.aread())
+        status, headers, content = await self.exchange(
+            url.host, url.port or 80, head, body, timeouts, method=request.method, request=request
+        )
         return httpx.Response(status, headers=headers, content=content, request=request)
 
     @staticmethod
@@ -112,7 +139,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     @staticmethod
     async def _connect(
-        key: tuple[str, int], timeouts: dict[str, Any], request: httpx.Request
+        key: tuple[str, int], timeouts: dict[str, Any], request: httpx.Request | None
     ) -> _Conn:
         try:
             async with asyncio.timeout(timeouts.get("connect")):
@@ -129,15 +156,18 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     async def _exchange(
         self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, Any],
-        request: httpx.Request, reused: bool,
+        request: httpx.Request | None, reused: bool, method: str,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:  # fmt: skip
+        writer = conn.writer
         try:
-            conn.writer.write(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                conn.writer.write(body)
-            if conn.writer.transport.get_write_buffer_size():
+            if len(body) < 65536:
+                writer.write(head + body)
+            else:
+                writer.write(head)
+                writer.write(body)
+            if writer.transport.get_write_buffer_size():
                 async with asyncio.timeout(timeouts.get("write")):
-                    await conn.writer.drain()
+                    await writer.drain()
         except TimeoutError:
             raise httpx.WriteTimeout("write timed out", request=request) from None
         except OSError as exc:
@@ -145,8 +175,11 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 raise _Stale from exc
             raise httpx.WriteError(str(exc), request=request) from exc
         try:
-            async with asyncio.timeout(timeouts.get("read")):  # no extra task, unlike wait_for
-                return await self._read(conn.reader, request)
+            read = timeouts.get("read")
+            if read is None:
+                return await self._read(conn.reader, request, method)
+            async with asyncio.timeout(read):  # no extra task, unlike wait_for
+                return await self._read(conn.reader, request, method)
         except TimeoutError:
             raise httpx.ReadTimeout("read timed out", request=request) from None
         except asyncio.IncompleteReadError as exc:
@@ -162,7 +195,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     @staticmethod
     async def _read(
-        reader: asyncio.StreamReader, request: httpx.Request
+        reader: asyncio.StreamReader, request: httpx.Request | None, method: str
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
         raw = await reader.readuntil(b"\r\n\r\n")
         try:
@@ -198,16 +231,16 @@ class Http1Transport(httpx.AsyncBaseTransport):
                         break
                     parts.append(data[:-2])
                 content = b"".join(parts)
+                headers = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
             elif length is not None:
                 content = await reader.readexactly(length)
-            elif status in (204, 304) or 100 <= status < 200 or request.method == "HEAD":
+            elif status in (204, 304) or 100 <= status < 200 or method == "HEAD":
                 content = b""
             else:  # delimited by the end of the connection
                 content, keep = await reader.read(), False
         except asyncio.IncompleteReadError as exc:
             exc.started = True  # type: ignore[attr-defined]  # the server did answer: not stale
             raise
-        headers = [(n, v) for n, v in headers if n.lower() not in (b"transfer-encoding",)]
         return status, headers, content, keep
 
     async def aclose(self) -> None:

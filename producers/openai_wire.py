@@ -50,17 +50,22 @@ __all__ = [
     "CallParams",
     "ProxyError",
     "bearer",
+    "bearer_token",
     "chat_chunks",
     "dumps",
+    "error_body",
     "error_response",
     "flag",
     "json_response",
     "loads",
     "number",
     "parse_call",
+    "parse_json",
     "read_json",
     "sse",
+    "sse_body",
     "text_chunks",
+    "too_large",
     "usage",
 ]
 
@@ -96,27 +101,30 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(dumps(data), status, headers, media_type="application/json")
 
 
-def error_response(exc: ApiError) -> Response:
+def error_body(exc: ApiError) -> bytes:
+    """The JSON error object of ``exc`` (its status and headers are the caller's to send)."""
     kind = _ERROR_TYPES.get(
         exc.status, "server_error" if exc.status >= 500 else "invalid_request_error"
     )
-    body = {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}}
-    return json_response(body, exc.status, exc.headers)
+    return dumps(
+        {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}}
+    )
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object: 413 past ``limit`` bytes, 400 if not a JSON object."""
-    declared = request.headers.get("content-length")
+def error_response(exc: ApiError) -> Response:
+    return Response(error_body(exc), exc.status, exc.headers, media_type="application/json")
+
+
+def too_large(declared: str | bytes | None, limit: int) -> None:
+    """413 when a declared Content-Length is over ``limit``."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (empty: ``{}``); 400 if it is not one."""
     try:
-        data = loads(b"".join(chunks) or b"{}")
+        data = loads(raw or b"{}")
     except JSONDecodeError as exc:
         raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
@@ -124,12 +132,28 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
-def bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization")
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object: 413 past ``limit`` bytes, 400 if not a JSON object."""
+    too_large(request.headers.get("content-length"), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def bearer_token(value: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
     if value is None:
         return None
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def bearer(request: Request) -> str | None:
+    return bearer_token(request.headers.get("authorization"))
 
 
 # --------------------------------------------------------------------------- requests
@@ -227,10 +251,16 @@ def usage(prompt_len: int, completion_len: int) -> dict[str, int]:
             "total_tokens": prompt_len + completion_len}  # fmt: skip
 
 
+def sse_body(chunks: list[dict[str, Any]]) -> bytes:
+    """A complete server-sent-events body: one ``data:`` line per chunk, then [DONE]."""
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 def sse(chunks: list[dict[str, Any]]) -> Response:
-    """A complete server-sent-events answer: one ``data:`` line per chunk, then [DONE]."""
-    data = b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-    return Response(data, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    """A complete server-sent-events answer (``sse_body``)."""
+    return Response(
+        sse_body(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 def chat_chunks(

@@ -181,8 +181,10 @@ class BackendPool:
     ) -> BackendPool:
         """One CompletionBackend per URL (named by its URL), each with its own keep-alive
         ``httpx.AsyncClient`` sized for many concurrent streams; ``lean_http`` puts the lean
-        HTTP/1.1 transport (http1.py) under it instead of httpcore."""
+        HTTP/1.1 transport (http1.py) under it instead of httpcore, and completions go over that
+        transport without httpx."""
         backends, clients = [], []
+        transport: Http1Transport | None = None
         for url in urls:
             timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
             if lean_http:
@@ -195,9 +197,9 @@ class BackendPool:
                 http = httpx.AsyncClient(timeout=timeout, limits=limits)
             clients.append(http)
             name = url.rstrip("/").removesuffix("/v1")
-            backends.append(
-                CompletionBackend(url, name, kind=kind, http=http, model=model, api_key=api_key)
-            )
+            lean = transport if lean_http else None
+            backends.append(CompletionBackend(url, name, kind=kind, http=http, model=model,
+                                              api_key=api_key, lean=lean))  # fmt: skip
         return cls(backends, owned_clients=clients, **kwargs)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -341,7 +343,6 @@ class BackendPool:
         deadline = time.monotonic() + self.backend_wait_s
         attempts = 0
         last: BackendError | None = None
-        prompt = prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else prompt_ids
         try:
             while True:
                 m = self.route(rollout_id)
@@ -355,7 +356,7 @@ class BackendPool:
                 m.calls += 1
                 self._counts["dispatched"] += 1
                 try:
-                    out = await m.backend.complete(prompt, **params)
+                    out = await m.backend.complete(prompt_ids, **params)
                 except BackendUnavailable as exc:
                     last = exc
                     self._mark_down(m, str(exc))

@@ -22,6 +22,10 @@ prompt into parent_call_id + prefix_len + prompt_delta) -> answer. Tool messages
 tool call the proxy returned are recorded as ToolCall events. A call that fails after it was
 accepted is recorded as a RolloutError event and answered 502/503.
 
+Hot path: the model-call routes (the four POST URLs above) are served as raw ASGI by
+``ProxyApp`` (no Starlette routing, middleware, Request or Response per call); the rest goes
+through Starlette. Both give the same answers and errors (docs/proxy.md, Performance).
+
 Streaming: the backend call is not streamed (failover needs the whole completion before a byte
 goes out), so ``stream=true`` answers with the complete SSE sequence once the completion is
 there: a role chunk, a content chunk, a tool_calls chunk, the finish chunk, an optional usage
@@ -52,7 +56,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from ulid import ULID
 
 from .backends import BackendError, BackendRejected, Completion
 from .chat import (
@@ -65,6 +68,7 @@ from .chat import (
     render_prompt,
     tool_results,
 )
+from .ids import new_ulid
 from .openai_wire import (
     FINISH_REASONS,
     OPENAPI,
@@ -72,22 +76,26 @@ from .openai_wire import (
     CallParams,
     ProxyError,
     chat_chunks,
+    dumps,
     error_response,
     flag,
     json_response,
     number,
     parse_call,
     read_json,
-    sse,
+    sse_body,
     text_chunks,
     usage,
 )
 from .policy_watch import PolicyWatcher
 from .pool import BackendPool, NoBackendAvailable, PoolError, PoolPaused
+from .proxy_asgi import ProxyApp
 from .recorder import Recorder, RecorderSettings, RecorderUsageError
 from .rollout_api import Auth, OpenRollout, RolloutApi, Rollouts, RolloutTokens
 
-__all__ = ["ApiError", "Proxy", "ProxyError", "ProxySettings", "create_app", "run"]
+__all__ = [
+    "ApiError", "Proxy", "ProxyApp", "ProxyError", "ProxySettings", "create_app", "new_ulid", "run",
+]  # fmt: skip
 
 log = logging.getLogger("rollstream.producers.proxy")
 
@@ -271,6 +279,15 @@ class Proxy:
     async def chat_completions(self, request: Request) -> Response:
         ro = self._open(request)
         body = await read_json(request, self.settings.proxy_max_body_bytes)
+        return _response(*await self.chat_call(ro, body))
+
+    async def completions(self, request: Request) -> Response:
+        ro = self._open(request)
+        body = await read_json(request, self.settings.proxy_max_body_bytes)
+        return _response(*await self.text_call(ro, body))
+
+    async def chat_call(self, ro: OpenRollout, body: dict[str, Any]) -> tuple[bytes, bool]:
+        """A validated chat completion for ``ro``: (answer body, is it SSE). Raises ApiError."""
         try:
             messages = normalize_messages(body.get("messages"))
             tools = normalize_tools(body.get("tools"))
@@ -286,7 +303,7 @@ class Proxy:
             raise ApiError(400, str(exc), param=exc.param or "messages") from exc
         max_tokens = self._budget(len(prompt.ids), call.max_tokens,
                                   self.settings.proxy_default_max_tokens)  # fmt: skip
-        call_id = str(ULID())
+        call_id = new_ulid()
         for tr in tool_results(ro.memory, messages):
             with contextlib.suppress(RecorderUsageError):
                 ro.handle.tool_call(tr.name, tr.arguments, tr.result, at_call_id=tr.at_call_id,
@@ -303,24 +320,23 @@ class Proxy:
         head = {"id": f"chatcmpl-{call_id}", "created": int(time.time()), "model": self.model}
         logprobs = self._logprobs(out) if call.logprobs else None
         if call.stream:
-            return sse(
-                chat_chunks(head, reply, finish, use if call.include_usage else None, logprobs)
-            )
+            chunks = chat_chunks(head, reply, finish, use if call.include_usage else None, logprobs)
+            return sse_body(chunks), True
         choice: dict[str, Any] = {"index": 0, "message": reply.message(), "logprobs": logprobs,
                                   "finish_reason": finish}  # fmt: skip
         return self._answer(head | {"object": "chat.completion"}, choice, use, call, prompt.ids,
-                            out, ro, drift_tokens=prompt.drift_tokens)  # fmt: skip
+                            out, ro, drift_tokens=prompt.drift_tokens), False  # fmt: skip
 
     def _answer(
         self, head: dict[str, Any], choice: dict[str, Any], use: dict[str, int], call: CallParams,
         prompt: np.ndarray, out: Completion, ro: OpenRollout, **ext: Any,
-    ) -> Response:  # fmt: skip
+    ) -> bytes:  # fmt: skip
         if call.return_token_ids:
             choice["token_ids"] = out.token_ids.tolist()
             choice["prompt_token_ids"] = prompt.tolist()
         ext |= {"call_id": head["id"].partition("-")[2], "rollout_id": ro.rollout_id,
                 "backend": out.backend, "policy_version": out.policy_version}  # fmt: skip
-        return json_response(head | {"choices": [choice], "usage": use, "rollstream": ext})
+        return dumps(head | {"choices": [choice], "usage": use, "rollstream": ext})
 
     def _logprobs(self, out: Completion) -> dict[str, Any]:
         texts = self.chat.tokenizer.decode_batch([[t] for t in out.token_ids.tolist()],
@@ -329,13 +345,12 @@ class Proxy:
         return {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
                             for t, lp in zip(texts, lps, strict=True)]}  # fmt: skip
 
-    async def completions(self, request: Request) -> Response:
-        ro = self._open(request)
-        body = await read_json(request, self.settings.proxy_max_body_bytes)
+    async def text_call(self, ro: OpenRollout, body: dict[str, Any]) -> tuple[bytes, bool]:
+        """A validated text completion for ``ro``: (answer body, is it SSE). Raises ApiError."""
         prompt = self._text_prompt(body.get("prompt"))
         call = parse_call(body, self.chat)
         max_tokens = self._budget(len(prompt), call.max_tokens, 16)
-        call_id = str(ULID())
+        call_id = new_ulid()
         out = await self._generate(ro, call_id, prompt, call, max_tokens)
         self._record(ro, call_id, prompt, out, 0)
         text = self.chat.decode(out.token_ids)
@@ -344,9 +359,10 @@ class Proxy:
         head = {"id": f"cmpl-{call_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model}  # fmt: skip
         if call.stream:
-            return sse(text_chunks(head, text, finish, use if call.include_usage else None))
+            chunks = text_chunks(head, text, finish, use if call.include_usage else None)
+            return sse_body(chunks), True
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._answer(head, choice, use, call, prompt, out, ro)
+        return self._answer(head, choice, use, call, prompt, out, ro), False
 
     def _text_prompt(self, raw: Any) -> np.ndarray:
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
@@ -434,6 +450,11 @@ class Proxy:
 
 # --------------------------------------------------------------------------- app
 
+def _response(body: bytes, is_sse: bool) -> Response:
+    if is_sse:
+        return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(body, media_type="application/json")
+
 
 def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Any]:
     async def wrapped(request: Request) -> Response:
@@ -518,10 +539,10 @@ def create_app(
         ("/health", p.health, get),
         ("/openapi.json", p.openapi, get),
     ]
-    app = Starlette(
+    app = ProxyApp(
         routes=[Route(path, _guard(h), methods=m) for path, h, m in table], lifespan=lifespan
     )
-    app.state.proxy = proxy
+    app.proxy = app.state.proxy = proxy
     return app
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -57,6 +56,7 @@ from rollstream.schemas.events import Body
 
 from .context import ContextTrie, ProducerError
 from .delivery import Delivery, DeliveryStats
+from .ids import new_ulid as _ulid
 from .spool import Spool, SpoolError
 from .transport import KafkaTransport, Transport
 
@@ -140,44 +140,6 @@ def _enum(cls: type[_E], value: Any) -> _E:
 
 def _now_us() -> int:
     return time.time_ns() // 1000
-
-
-_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-_CROCKFORD_BYTES = np.frombuffer(_CROCKFORD.encode(), np.uint8)
-_POOL_IDS = 512
-
-
-class _UlidSource:
-    """ULIDs: 48-bit ms timestamp + 80 random bits, Crockford base32 (the strings python-ulid
-    makes and parses), at ~1 us each. The 10-character time prefix is re-encoded once per ms;
-    the 16 random characters come from ``os.urandom`` 512 ids at a time (5 bits per byte; 256
-    is a multiple of 32, so every character is uniform). A forked child drops the pool, so
-    parent and child never hand out the same ids."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._pool, self._pos = "", 0
-        self._ms, self._prefix = -1, ""
-
-    def __call__(self) -> str:
-        ms = time.time_ns() // 1_000_000
-        with self._lock:
-            if ms != self._ms:
-                self._ms = ms
-                self._prefix = "".join(_CROCKFORD[(ms >> s) & 31] for s in range(45, -1, -5))
-            if self._pos >= len(self._pool):
-                raw = np.frombuffer(os.urandom(16 * _POOL_IDS), np.uint8) & 31
-                self._pool, self._pos = _CROCKFORD_BYTES[raw].tobytes().decode(), 0
-            pos = self._pos
-            self._pos = pos + 16
-            return self._prefix + self._pool[pos : pos + 16]
-
-
-_ulid = _UlidSource()
 
 
 class Recorder:

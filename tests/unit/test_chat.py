@@ -288,6 +288,49 @@ def test_any_sampled_ids_give_append_only_prompts(
         prev = np.concatenate([prompt.ids, gen])
 
 
+_PIECES = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<|endoftext|>", " ",
+           "  ", "\n", "\t", "a", "hello", " world", "é", "<|im", "_end|>", "<", "|", "{\"x\": 2}",
+           "1", "ü", "😀"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(_PIECES), max_size=30))
+def test_segment_cache_encodes_like_the_tokenizer(parts: list[str]) -> None:
+    """encode() cuts at added tokens and caches the pieces between them: the same ids as
+    tokenizing the whole text, cached or not, and arrays the caller may change."""
+    chat = _shared_chat()
+    text = "".join(parts)
+    whole = chat.tokenizer.encode(text, add_special_tokens=False).ids
+    assert chat._split is not None
+    first, again = chat.encode(text), chat.encode(text)
+    assert first.tolist() == again.tolist() == whole
+    assert first.dtype == np.uint32
+    first[:] = 0  # a copy: the cache is not changed through it
+    assert chat.encode(text).tolist() == whole
+
+
+_CHAT: list[ChatTemplate] = []
+
+
+def _shared_chat() -> ChatTemplate:
+    if not _CHAT:
+        _CHAT.append(ChatTemplate(train_tokenizer().backend_tokenizer, CHAT_TEMPLATE))
+    return _CHAT[0]
+
+
+def test_segment_cache_off_when_added_tokens_strip_spaces(hf_tok: Any) -> None:
+    """An added token with rstrip eats the spaces after it: cutting there would not give the
+    tokenizer's ids, so encode() tokenizes the whole text."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
+    tok.add_special_tokens([AddedToken("<|sep|>", rstrip=True, lstrip=True)])
+    chat = ChatTemplate(tok, CHAT_TEMPLATE)
+    assert chat._split is None
+    text = "a  <|sep|>  b <|im_end|>\n x"
+    assert chat.encode(text).tolist() == tok.encode(text, add_special_tokens=False).ids
+
+
 def test_chat_module_is_pure() -> None:
     """STYLE 1: chat.py imports no HTTP, Kafka or ClickHouse library."""
     import rollstream.producers.chat as mod

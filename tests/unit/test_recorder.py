@@ -414,3 +414,37 @@ def test_unusable_spool_dir_does_not_stop_the_harness(
         assert rec.flush(5)
     assert len(consumed(transport)) == 3
     assert "spool disabled" in caplog.text
+
+
+def test_ulids_are_unique_across_threads_and_a_fork() -> None:
+    import os
+    import threading
+
+    from ulid import ULID
+
+    from rollstream.producers.ids import new_ulid
+
+    out: list[list[str]] = [[] for _ in range(8)]
+
+    def make(bucket: list[str]) -> None:
+        bucket.extend(new_ulid() for _ in range(5000))
+
+    threads = [threading.Thread(target=make, args=(b,)) for b in out]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [i for b in out for i in b]
+    assert len(set(ids)) == len(ids) == 40_000
+    assert all(b == sorted(b) for b in out)  # monotonic per thread
+    assert str(ULID.from_str(ids[0])) == ids[0]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's ids, made in the same milliseconds as the parent's
+        os.write(write, ",".join(new_ulid() for _ in range(200)).encode())
+        os._exit(0)
+    mine = [new_ulid() for _ in range(200)]
+    os.waitpid(pid, 0)
+    os.close(write)
+    theirs = os.read(read, 1 << 16).decode().split(",")
+    assert len(theirs) == 200 and not set(theirs) & set(mine)

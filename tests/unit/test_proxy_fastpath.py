@@ -1,0 +1,301 @@
+"""The proxy's per-call hot path, in process: the raw-ASGI model-call routes answer exactly what
+the Starlette routes answer (success, SSE and every bad-input status), the lean backend client
+(no httpx) fails the way the httpx one does, rollout tokens, and call ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from ulid import ULID
+
+from rollstream.producers import MemoryTransport, Recorder
+from rollstream.producers.backends import (
+    BackendRejected,
+    BackendUnavailable,
+    CompletionBackend,
+)
+from rollstream.producers.chat import ChatTemplate
+from rollstream.producers.http1 import Http1Transport
+from rollstream.producers.pool import BackendPool
+from rollstream.producers.proxy import ProxyApp, ProxySettings, create_app, new_ulid
+from rollstream.producers.proxy_asgi import _fast_route
+from rollstream.producers.rollout_api import RolloutTokens
+from rollstream.producers.tinymodel import CHAT_TEMPLATE, train_tokenizer
+
+ADMIN = "unit-admin"
+
+
+def run(fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(fn(), 30))
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatTemplate:
+    tok = train_tokenizer()
+    return ChatTemplate(tok.backend_tokenizer, CHAT_TEMPLATE,
+                        special_tokens={"eos_token": "<|im_end|>"}, max_model_len=512)  # fmt: skip
+
+
+class Backend:
+    """A reference backend in process (httpx.MockTransport): every completion is ``reply``."""
+
+    def __init__(self, chat: ChatTemplate) -> None:
+        assert chat.eos_id is not None
+        self.reply = [*chat.encode("Hello there.").tolist(), chat.eos_id]
+        self.status = 200
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            if self.status != 200:
+                return httpx.Response(self.status, json={"error": {"message": "nope"}})
+            return httpx.Response(200, json={"model": "m", "policy_version": 3, "choices": [{
+                "token_ids": self.reply, "finish_reason": "stop",
+                "logprobs": {"token_logprobs": [-0.5] * len(self.reply)}}]})  # fmt: skip
+        return httpx.Response(200, json={"policy_version": 3})
+
+
+def make_app(chat: ChatTemplate, backend: Backend, **kw: Any) -> tuple[ProxyApp, Recorder]:
+    settings = ProxySettings(spool_dir=None, proxy_api_keys=[ADMIN], proxy_max_body_bytes=2048,
+                             proxy_max_prompt_tokens=200, **kw)  # fmt: skip
+    recorder = Recorder(settings, transport=MemoryTransport())
+    http = httpx.AsyncClient(transport=httpx.MockTransport(backend.handle))
+    pool = BackendPool([CompletionBackend("http://b", "b", http=http)], health_interval_s=0,
+                       backend_wait_s=0.2)  # fmt: skip
+    app = create_app(settings, recorder=recorder, pool=pool, chat=chat)
+    assert isinstance(app, ProxyApp)
+    return app, recorder
+
+
+def test_fast_route_matches_the_starlette_paths() -> None:
+    assert _fast_route("/v1/chat/completions") == (True, None)
+    assert _fast_route("/v1/completions") == (False, None)
+    assert _fast_route("/rollouts/r-1/v1/chat/completions") == (True, "r-1")
+    assert _fast_route("/rollouts/r-1/v1/completions") == (False, "r-1")
+    for other in (
+        "/rollouts//v1/chat/completions",
+        "/rollouts/r/v1/models",
+        "/v1/models",
+        "/rollouts/a/b/v1/chat/completions",
+        "/v1/chat/completions/",
+        "/health",
+    ):
+        assert _fast_route(other) is None, other  # fmt: skip
+
+
+def test_raw_asgi_routes_answer_like_the_starlette_routes(chat: ChatTemplate) -> None:
+    backend = Backend(chat)
+    app, recorder = make_app(chat, backend)
+    proxy = app.state.proxy
+
+    async def via_starlette(scope: Any, receive: Any, send: Any) -> None:
+        await Starlette.__call__(app, scope, receive, send)  # the routes, not the fast path
+
+    async def main() -> None:
+        await proxy.pool.start()
+        fast = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p")
+        slow = httpx.AsyncClient(transport=httpx.ASGITransport(via_starlette), base_url="http://p")
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        a = (await fast.post("/v1/rollouts", json={"task_id": "t"}, headers=admin)).json()
+        b = (await fast.post("/v1/rollouts", json={"task_id": "t"}, headers=admin)).json()
+        chat_a = f"/rollouts/{a['rollout_id']}/v1/chat/completions"
+        auth = {"Authorization": f"Bearer {a['token']}"}
+        ok = {"messages": [{"role": "user", "content": "hi"}]}
+        cases: list[tuple[str, dict[str, Any], int]] = [
+            (chat_a, {"content": b"{not json", "headers": auth}, 400),
+            (chat_a, {"content": b"[1]", "headers": auth}, 400),
+            (chat_a, {"json": {"messages": [{"role": "user"}]}, "headers": auth}, 400),
+            (chat_a, {"json": {**ok, "temperature": "hot"}, "headers": auth}, 400),
+            (chat_a, {"json": {**ok, "n": 2}, "headers": auth}, 400),
+            (chat_a, {"json": ok}, 401),
+            (chat_a, {"json": ok, "headers": {"Authorization": "Bearer rs1.x.y"}}, 401),
+            (chat_a, {"json": ok, "headers": {"Authorization": f"Bearer {b['token']}"}}, 403),
+            (chat_a, {"json": {"messages": [{"role": "user", "content": "x" * 3000}]},
+                      "headers": auth}, 413),
+            (chat_a, {"json": {"messages": [{"role": "user", "content": "word " * 300}]},
+                      "headers": auth}, 413),
+            ("/rollouts/nope/v1/chat/completions", {"json": ok, "headers": admin}, 404),
+            (f"/rollouts/{a['rollout_id']}/v1/completions",
+             {"json": {"prompt": [1, 99999]}, "headers": auth}, 400),
+        ]  # fmt: skip
+        for url, kw, status in cases:
+            rf, rs = await fast.post(url, **kw), await slow.post(url, **kw)
+            assert rf.status_code == rs.status_code == status, (url, rf.text, rs.text)
+            assert rf.json() == rs.json(), url
+            assert set(rf.json()["error"]) == {"message", "type", "param", "code"}
+            assert rf.headers["content-type"] == rs.headers["content-type"]
+            assert rf.headers["content-length"] == str(len(rf.content))
+
+        for client in (fast, slow):  # success: the same answer but for ids and times
+            r = await client.post(chat_a, json={**ok, "return_token_ids": True}, headers=auth)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello there."}
+            assert body["choices"][0]["token_ids"] == backend.reply
+            assert body["rollstream"]["policy_version"] == 3
+            assert r.headers["content-type"] == "application/json"
+            streamed = {**ok, "stream": True, "stream_options": {"include_usage": True}}
+            r = await client.post("/v1/chat/completions", json=streamed, headers=auth)
+            assert r.status_code == 200
+            assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+            assert r.headers["cache-control"] == "no-cache"
+            lines = [ln for ln in r.text.split("\n\n") if ln]
+            assert lines[-1] == "data: [DONE]"
+            use = json.loads(lines[-2].removeprefix("data: "))["usage"]
+            assert use["completion_tokens"] == len(backend.reply)
+            r = await client.post(f"/rollouts/{a['rollout_id']}/v1/completions",
+                                  json={"prompt": "Hi", "max_tokens": 8}, headers=auth)  # fmt: skip
+            assert r.status_code == 200 and r.json()["object"] == "text_completion"
+        assert proxy.rollouts.get(a["rollout_id"]).calls == 6
+
+        # backend errors: 400 (it rejected the request) and 503 with Retry-After, both paths
+        for status, want in ((422, 400), (500, 503)):
+            backend.status = status
+            rf, rs = (await fast.post(chat_a, json=ok, headers=auth),
+                      await slow.post(chat_a, json=ok, headers=auth))  # fmt: skip
+            assert rf.status_code == rs.status_code == want
+            assert rf.headers.get("retry-after") == rs.headers.get("retry-after")
+            assert (want == 503) == ("retry-after" in rf.headers)
+        backend.status = 200
+        # a GET on a model-call URL is Starlette's 405, not the fast path
+        assert (await fast.get(chat_a, headers=auth)).status_code == 405
+        await proxy.pool.aclose()
+
+    try:
+        run(main)
+    finally:
+        recorder.close(5)
+
+
+def test_raw_asgi_body_limit_across_chunks_and_disconnect(chat: ChatTemplate) -> None:
+    app, recorder = make_app(chat, Backend(chat))
+    proxy = app.state.proxy
+    ro = proxy.rollouts.create(task_id="t", group_id="g")
+    token = proxy.auth.tokens.issue(ro.rollout_id)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
+             "headers": [(b"authorization", f"Bearer {token}".encode())]}  # fmt: skip
+
+    async def call(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent
+
+    async def main() -> None:
+        # no Content-Length; the chunks add up past the limit (2048): 413 before the end
+        chunk = {"type": "http.request", "body": b"x" * 1500, "more_body": True}
+        sent = await call([chunk, dict(chunk), {"type": "http.request", "body": b""}])
+        assert sent[0]["status"] == 413
+        assert json.loads(sent[1]["body"])["error"]["code"] == "body_too_large"
+        # the client went away mid-body: nothing is answered
+        assert await call([chunk, {"type": "http.disconnect"}]) == []
+
+    try:
+        run(main)
+    finally:
+        recorder.close(5)
+
+
+class RawServer:
+    """A tiny HTTP/1.1 server answering /v1/completions with a fixed status and body."""
+
+    def __init__(self) -> None:
+        self.status, self.body = 200, b"{}"
+        self.requests: list[bytes] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (
+                    self.status, len(self.body)) + self.body)  # fmt: skip
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def test_lean_backend_path_answers_and_fails_like_httpx() -> None:
+    async def main() -> None:
+        srv = RawServer()
+        port = await srv.start()
+        lean = Http1Transport()
+        http = httpx.AsyncClient(transport=lean, timeout=5)
+        b = CompletionBackend(f"http://127.0.0.1:{port}/v1", "b", http=http, lean=lean,
+                              api_key="k", model="m")  # fmt: skip
+        srv.body = json.dumps({"policy_version": 7, "choices": [{
+            "token_ids": [5, 6], "finish_reason": "stop", "stop_reason": 6,
+            "logprobs": {"token_logprobs": [-1.0, -2.0]}}]}).encode()  # fmt: skip
+        import numpy as np
+
+        out = await b.complete(np.array([1, 2, 3], dtype=np.uint32), max_tokens=4, seed=1)
+        assert out.token_ids.tolist() == [5, 6] and out.policy_version == 7
+        assert out.stop_reason == 6 and out.prompt_tokens == 3
+        head, _, body = srv.requests[-1].partition(b"\r\n\r\n")
+        assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert b"Authorization: Bearer k" in head
+        sent = json.loads(body)
+        assert sent["prompt"] == [1, 2, 3] and sent["model"] == "m" and sent["seed"] == 1
+        srv.status, srv.body = 400, b'{"error": {"message": "too long"}}'
+        with pytest.raises(BackendRejected, match="too long") as rejected:
+            await b.complete([1], max_tokens=1)
+        assert rejected.value.status == 400
+        srv.status, srv.body = 503, b"overloaded"
+        with pytest.raises(BackendUnavailable, match="overloaded"):
+            await b.complete([1], max_tokens=1)
+        srv.status, srv.body = 200, b"{not json"
+        with pytest.raises(Exception, match="invalid JSON"):
+            await b.complete([1], max_tokens=1)
+        # base_url reassigned (an operator or a test moving the backend): followed at once
+        b.base_url = f"http://127.0.0.1:{free_port()}"
+        with pytest.raises(BackendUnavailable, match="connect"):
+            await b.complete([1], max_tokens=1)
+        await http.aclose()
+        srv.server.close()
+
+    run(main)
+
+
+def test_rollout_tokens_remember_only_valid_ones() -> None:
+    tokens = RolloutTokens(b"0123456789abcdef0123")
+    good = tokens.issue("r1")
+    assert tokens.verify(good) == "r1" and tokens.verify(good) == "r1"
+    forged = good[:-2] + ("AA" if not good.endswith("AA") else "BB")
+    assert tokens.verify(forged) is None and tokens.verify(forged) is None
+    assert tokens.verify(RolloutTokens(b"another-secret-16b").issue("r1")) is None
+    assert set(tokens._valid) == {good}
+
+
+def test_new_ulid_is_a_monotonic_ulid() -> None:
+    before = int(time.time() * 1000)
+    ids = [new_ulid() for _ in range(2000)]
+    after = int(time.time() * 1000)
+    assert all(len(i) == 26 and str(ULID.from_str(i)) == i for i in ids)
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    ms = ULID.from_str(ids[0]).milliseconds
+    assert before <= ms <= after
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
