@@ -18,6 +18,7 @@ Phases, in one worker:
    the last sample, and per CPU-second of the worker process (the machine is shared).
 
     .venv/bin/python bench/bench_processor.py [--quick] [--bootstrap HOST:PORT]
+        [--worker-env ROLLSTREAM_PROC_...=VALUE ...]
 
 Starts its own KafkaBroker unless --bootstrap. Progress on stderr; the last stdout line is one
 JSON object with the figures.
@@ -172,6 +173,7 @@ def run(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict[str, Any]:
         "ROLLSTREAM_HOME": str(tmp / "home"),
         "ROLLSTREAM_PROC_LOG_LEVEL": "warning",
         "ROLLSTREAM_PROC_STATS_INTERVAL_S": "0",
+        **dict(kv.split("=", 1) for kv in args.worker_env),
     }
     log_file = open(tmp / "worker.log", "wb")  # noqa: SIM115 - the worker's, closed below
     t_spawn = time.monotonic()
@@ -297,6 +299,13 @@ def main() -> int:
     p.add_argument("--delta", type=int, default=200)
     p.add_argument("--completion", type=int, default=100)
     p.add_argument("--group", type=int, default=4)
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the worker, e.g. ROLLSTREAM_PROC_PRODUCER_LINGER_MS=10 (repeatable)",
+    )
     args = p.parse_args()
     args.seconds = args.seconds or (5.0 if args.quick else 30.0)
     args.backlog = args.backlog or (200 if args.quick else 2000)
@@ -328,6 +337,7 @@ def main() -> int:
         "delta_tokens": args.delta,
         "completion_tokens": args.completion,
         "group_size": args.group,
+        "worker_env": args.worker_env,
         **figures,
     }
     print(json.dumps(summary))

@@ -1,6 +1,8 @@
-"""The group side of the processor's book-keeping (see books.py for the scheme): re-keying
-trajectories by group_id, and the group aggregator's steps over ``core.add_to_group`` /
-``core.expire_group``. No faust in here."""
+"""The group side of the processor's book-keeping (see books.py for the scheme): the group
+aggregator's steps over ``core.add_to_group`` / ``core.expire_group``. It reads the
+trajectories topic, which the builder partitions by group (``Route``); a trajectory on another
+partition than its group's goes to the DLQ (code ``misrouted``): with several workers its
+group would be split between them. No faust in here."""
 
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from rollstream.streams.core import (
 )
 
 from .books import (
-    GROUP_HEADER,
     Book,
     Out,
+    Route,
     Sink,
     Slot,
     Step,
@@ -34,38 +36,9 @@ from .books import (
     traj_key,
     unpack,
 )
-from .dlq import CODE_UNDECODABLE
+from .dlq import CODE_MISROUTED, CODE_UNDECODABLE
 
-__all__ = ["GroupBook", "TrajectoryRouter"]
-
-
-class TrajectoryRouter(Book):
-    """Re-keys trajectories (key rollout_id) by group_id for the aggregator. The group_id comes
-    from the builder's ``group_id`` header, else from decoding the record."""
-
-    stage = "regroup"
-
-    def on_record(
-        self,
-        partition: int,
-        offset: int,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Iterable[tuple[str, bytes | None]] | None,
-    ) -> Step:
-        step = Step(partition)
-        tally(self.stats, "records")
-        group = next((h for name, h in headers or () if name == GROUP_HEADER and h), None)
-        if group is None:
-            try:
-                group = self.codec.decode(value, expect=Trajectory).group_id.encode()
-            except DecodeError as exc:
-                step.sends.append(
-                    self._dlq(key, value, CODE_UNDECODABLE, exc.reason, partition, offset)
-                )
-                return step
-        step.sends.append(Out(Sink.REPARTITION, group, value, ((GROUP_HEADER, group),)))
-        return step
+__all__ = ["GroupBook"]
 
 
 class GroupBook(Book):
@@ -74,10 +47,17 @@ class GroupBook(Book):
     stage = "aggregator"
 
     def __init__(
-        self, config: GroupConfig, codec: Codec, *, source_topic: str, processor: str = ""
+        self,
+        config: GroupConfig,
+        codec: Codec,
+        *,
+        source_topic: str,
+        processor: str = "",
+        route: Route | None = None,
     ) -> None:
         super().__init__(codec, source_topic, processor)
         self.config = config
+        self.route = route  # None: any partition is accepted (one worker, tests)
         self.open: dict[str, Slot[GroupState]] = {}
         self.closed: dict[str, Slot[GroupState]] = {}
 
@@ -95,8 +75,12 @@ class GroupBook(Book):
                 self._dlq(key, value, CODE_UNDECODABLE, exc.reason, partition, offset)
             )
             return step
-        self.clock.observe(partition, trajectory.finished_ts, wall_us)
         gid, rid = trajectory.group_id, trajectory.rollout_id
+        if self.route is not None and (home := self.route(gid)) != partition:
+            reason = f"trajectory of group {gid!r} on partition {partition}, its group's is {home}"
+            step.sends.append(self._dlq(key, value, CODE_MISROUTED, reason, partition, offset))
+            return step
+        self.clock.observe(partition, trajectory.finished_ts, wall_us)
         slot = self.open.get(gid) or self.closed.get(gid)
         if slot is None:
             slot = self.open[gid] = Slot(GroupState(gid), partition)

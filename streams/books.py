@@ -1,11 +1,13 @@
 """The processor's book-keeping, apart from faust: what to send and what to write to the tables
 for each record, each timer tick and each recovery. app.py only carries it out.
 
-    rollout.events --RolloutBook--> trajectories --TrajectoryRouter--> <app_id>-trajectories-
-    by-group --GroupBook--> samples          (refused records of every stage -> DLQ)
+    rollout.events --RolloutBook--> trajectories --GroupBook--> samples
+                                    (refused records of every stage -> DLQ)
 
-RolloutBook and the shared parts (Step, Out, the table key layout, the clock) are here;
-TrajectoryRouter and GroupBook in aggregation.py.
+The builder writes each trajectory to the partition of its group (``route``: the partition a
+record keyed by group_id would get), so the aggregator reads the trajectories topic itself:
+no re-keying hop, no second copy of the trajectory. RolloutBook and the shared parts (Step,
+Out, the table key layout, the clock) are here; GroupBook in aggregation.py.
 
 State. The pure core's states (RolloutState, GroupState) live in memory. The faust tables are a
 write-ahead log of what is needed to rebuild them, each input written once (no O(n^2) re-writes
@@ -74,6 +76,7 @@ __all__ = [
     "Out",
     "PartitionClock",
     "RolloutBook",
+    "Route",
     "Sink",
     "Slot",
     "Step",
@@ -92,21 +95,24 @@ GROUP_HEADER = "group_id"
 S = TypeVar("S", RolloutState, GroupState)
 
 
+Route: TypeAlias = Callable[[str], int]  # group_id -> partition of the trajectories topic
+
+
 class Sink(enum.StrEnum):
     TRAJECTORIES = "trajectories"
-    REPARTITION = "repartition"
     SAMPLES = "samples"
     DLQ = "dlq"
 
 
 @dataclass(frozen=True, slots=True)
 class Out:
-    """One record to produce."""
+    """One record to produce (``partition`` None: the producer's partitioner, by key)."""
 
     sink: Sink
     key: bytes | None
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...] = ()
+    partition: int | None = None
 
 
 Write: TypeAlias = tuple[bytes, bytes | None]  # table key -> value (None deletes)
@@ -241,10 +247,17 @@ class RolloutBook(Book):
     stage = "builder"
 
     def __init__(
-        self, config: BuilderConfig, codec: Codec, *, source_topic: str, processor: str = ""
+        self,
+        config: BuilderConfig,
+        codec: Codec,
+        *,
+        source_topic: str,
+        processor: str = "",
+        route: Route | None = None,
     ) -> None:
         super().__init__(codec, source_topic, processor)
         self.config = config
+        self.route = route  # None: trajectories partitioned by key (rollout_id)
         self.open: dict[str, Slot[RolloutState]] = {}
         self.closed: dict[
             str, Slot[RolloutState]
@@ -388,9 +401,13 @@ class RolloutBook(Book):
                 bad.rollout_id.encode(), raw, str(output.code), output.reason, slot.partition, at
             )
         tally(self.stats, "trajectories")
-        headers = ((GROUP_HEADER, output.group_id.encode()),)
+        gid = output.group_id
         return Out(
-            Sink.TRAJECTORIES, output.rollout_id.encode(), self.codec.encode(output), headers
+            Sink.TRAJECTORIES,
+            output.rollout_id.encode(),
+            self.codec.encode(output),
+            ((GROUP_HEADER, gid.encode()),),
+            None if self.route is None else self.route(gid),
         )
 
 

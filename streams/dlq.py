@@ -4,11 +4,12 @@ The record itself travels unchanged (same key, same value bytes) to ``Topics(ns)
 headers say why and where it came from (the same names as consumers/dataset.py's DLQ):
 
     reason              human-readable cause (DecodeError.reason, Invalid.reason, ...)
-    code                stable short code: "undecodable", "wrong_key" or an InvalidCode value
+    code                stable short code: "undecodable", "wrong_key", "misrouted" (a
+                        trajectory not on its group's partition) or an InvalidCode value
     original_topic      topic / partition / offset of the refused record; offset "-1" when the
     original_partition  record is not the one being processed (an event buffered earlier and
     original_offset     refused when its rollout closed is re-encoded with the Codec)
-    stage               builder | regroup | aggregator
+    stage               builder | aggregator
     processor           the processor's app id
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "CODE_MISROUTED",
     "CODE_UNDECODABLE",
     "CODE_WRONG_KEY",
     "HEADER_NAMES",
@@ -24,6 +26,7 @@ __all__ = [
     "read_headers",
 ]
 
+CODE_MISROUTED = "misrouted"
 CODE_UNDECODABLE = "undecodable"
 CODE_WRONG_KEY = "wrong_key"
 HEADER_NAMES = (

@@ -5,11 +5,9 @@ variables are ``ROLLSTREAM_PROC_*``. Built in ``main()`` and passed down: the ap
 the pure configs (``builder_config()``, ``group_config()``) read nothing else.
 
 Names derived from the settings (all carry the namespace and the versioned app id, so two
-namespaces or two processor versions never share a consumer group, a changelog or a
-repartition topic):
+namespaces or two processor versions never share a consumer group or a changelog):
 
     app_id             "<ns>.rollstream-processor-v1"     faust app id = consumer group id
-    repartition_topic  "<app_id>-trajectories-by-group"   trajectories keyed by group_id
     changelogs         "<app_id>-rollouts-changelog", "<app_id>-groups-changelog"
 """
 
@@ -50,7 +48,6 @@ class ProcessorSettings(CommonSettings):
     proc_drop_zero_variance: bool = True
     # shell
     proc_timer_interval_s: float = 1.0  # how often timeouts and evictions run
-    proc_repartition_partitions: int | None = None  # default: as many as trajectories
     proc_log_level: str = "info"
     proc_stats_interval_s: float = 30.0  # counters in the log this often (0: never)
     # faust / aiokafka tuning (docs/processors.md says why)
@@ -72,10 +69,6 @@ class ProcessorSettings(CommonSettings):
     @property
     def app_id(self) -> str:
         return self.topics().name(self.proc_app_id)
-
-    @property
-    def repartition_topic(self) -> str:
-        return f"{self.app_id}-trajectories-by-group"
 
     @property
     def data_dir(self) -> Path:

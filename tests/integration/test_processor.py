@@ -31,6 +31,7 @@ from rollstream.schemas import (
     Sample,
     Trajectory,
 )
+from rollstream.streams.app import group_route
 from rollstream.streams.core import (
     GroupClosed,
     GroupConfig,
@@ -279,18 +280,34 @@ def test_events_become_the_samples_the_core_computes(
     assert len(expected) == 4 * 3 + 2  # one path sample per rollout; the flat group has none
     duplicates = events[5:40:7]  # re-sent events are ignored
 
-    with reading(kafka_settings, kafka_settings.topics().samples) as samples:
+    topics = kafka_settings.topics()
+    with (
+        reading(kafka_settings, topics.samples) as samples,
+        reading(kafka_settings, topics.trajectories) as trajectories,
+    ):
         produce(kafka_settings, event_records(events + duplicates))
         worker.start()
         samples.wait(lambda rs: len(rs) > 0, 15, worker)  # first output within 15 s of start
         samples.wait(lambda rs: sample_ids(rs) >= set(expected), 60, worker)
         time.sleep(1.0)  # nothing more comes
         got = [codec.decode(m.value(), expect=Sample) for m in samples.records]
+        built = [(m, codec.decode(m.value(), expect=Trajectory)) for m in trajectories.records]
     assert sorted(s.sample_id for s in got) == sorted(expected)  # each once: no duplicates
     for sample in got:
         want = expected[sample.sample_id]
         assert sample == want
     assert {m.key() for m in samples.records} == {s.group_id.encode() for s in got}
+    # trajectories: key rollout_id, on their group's partition (where the aggregator reads
+    # them), which is where the group's samples went too
+    assert len(built) == len(rollouts)
+    route = group_route(6)  # the contract's trajectories topic: 6 partitions
+    assert {m.key() for m, _ in built} == {t.rollout_id.encode() for _, t in built}
+    assert {(m.partition(), t.group_id) for m, t in built} == {
+        (route(t.group_id), t.group_id) for _, t in built
+    }
+    assert len({m.partition() for m, _ in built}) > 1
+    for m in samples.records:
+        assert m.partition() == route(m.key().decode())
 
 
 def test_sigkill_mid_stream_loses_no_sample(kafka_settings: CommonSettings, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import numpy as np
+from aiokafka.partitioner import DefaultPartitioner
 
 from rollstream.schemas import (
     Codec,
@@ -20,7 +21,8 @@ from rollstream.schemas import (
     Sample,
     Trajectory,
 )
-from rollstream.streams.aggregation import GroupBook, TrajectoryRouter
+from rollstream.streams.aggregation import GroupBook
+from rollstream.streams.app import group_route
 from rollstream.streams.books import Out, PartitionClock, RolloutBook, Sink, Step
 from rollstream.streams.core import (
     BuilderConfig,
@@ -240,19 +242,46 @@ def test_groups_survive_a_crash_at_any_point() -> None:
         assert got == want, seed
 
 
-# --- regroup and the offset guard --------------------------------------------------------------
+# --- routing by group and the offset guard ----------------------------------------------------
 
 
-def test_the_router_keys_trajectories_by_group() -> None:
-    (trajectory,) = replay(make_rollout(np.random.default_rng(6), "r1", "g7"))[1]
-    router = TrajectoryRouter(codec, "ns.trajectories", "p")
-    raw = codec.encode(trajectory)
-    (out,) = router.on_record(1, 2, b"r1", raw, None).sends  # no header: decoded
-    assert (out.sink, out.key, out.value) == (Sink.REPARTITION, b"g7", raw)
-    (out,) = router.on_record(1, 3, b"r1", raw, [("group_id", b"g9")]).sends
-    assert out.key == b"g9"
-    (out,) = router.on_record(1, 4, b"r1", b"nope", None).sends
-    assert out.sink == Sink.DLQ and read_headers(out.headers)["stage"] == "regroup"
+def test_trajectories_go_to_their_groups_partition_and_stray_ones_to_the_dlq() -> None:
+    route = group_route(6)
+    # the partition Kafka's default partitioner (murmur2) gives a group_id key: where the
+    # group's samples go too
+    groups_ids = ("g0", "g1", "step12-fizzbuzz-7", "")
+    assert [route(g) for g in groups_ids] == [3, 2, 5, 3]
+    partitioner = DefaultPartitioner()
+    assert [route(g) for g in groups_ids] == [
+        partitioner(g.encode(), list(range(6)), list(range(6))) for g in groups_ids
+    ]
+    rng = np.random.default_rng(6)
+    b = RolloutBook(BuilderConfig(), codec, source_topic=TOPIC, processor="p", route=route)
+    events = [e for i in range(8) for e in make_rollout(rng, f"r{i}", f"g{i // 2}")]
+    outs = [o for s in run_all(b, records(events)) for o in s.sends]
+    assert len(outs) == 8 and {o.sink for o in outs} == {Sink.TRAJECTORIES}
+    for out in outs:
+        trajectory = codec.decode(out.value, expect=Trajectory)
+        assert out.key == trajectory.rollout_id.encode()  # the contract's key
+        assert out.partition == route(trajectory.group_id)  # the group's partition
+    plain = [o for s in run_all(book(), records(events)) for o in s.sends]  # no route: by key
+    assert len(plain) == 8 and {o.partition for o in plain} == {None}
+    groups = GroupBook(GroupConfig(), codec, source_topic="t", processor="p", route=route)
+    raw = outs[0].value
+    home = outs[0].partition
+    assert home is not None
+    stray = (home + 1) % 6
+    (out,) = groups.on_record(stray, 5, outs[0].key, raw, T0).sends
+    headers = read_headers(out.headers)
+    assert (out.sink, out.key, out.value) == (Sink.DLQ, outs[0].key, raw)
+    assert (headers["code"], headers["stage"], headers["original_partition"]) == (
+        "misrouted",
+        "aggregator",
+        str(stray),
+    )
+    assert groups.open == {}
+    step = groups.on_record(home, 6, outs[0].key, raw, T0)
+    assert step.sends == [] and len(step.writes) == 1 and "g0" in groups.open
 
 
 def test_the_offset_guard_refills_holes_and_skips_repeats() -> None:
