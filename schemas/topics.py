@@ -59,7 +59,7 @@ _BASE: tuple[TopicSpec, ...] = (
         TRAJECTORIES,
         6,
         "rollout_id",
-        "rebuilt trajectory trees with scores",
+        "rebuilt trajectory trees with scores; partitioned by group_id (murmur2, as the samples)",
         retention_ms=_WEEK_MS,
         config={"max.message.bytes": "16777216"},
     ),
