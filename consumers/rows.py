@@ -161,22 +161,24 @@ def _ts(value: int, what: str, kind: str) -> int:
 
 
 def _check_event(event: Event) -> str:
-    kind = type(event.body).__name__
-    if f"rollstream.{kind}" not in BODY_TYPES:
-        raise RowError(f"unknown body type {kind}", "Event")
+    kind = _BODY_KINDS.get(type(event.body))
+    if kind is None:
+        raise RowError(f"unknown body type {type(event.body).__name__}", "Event")
     if not event.event_id:
         raise RowError("empty event_id", kind)
     if not event.rollout_id:
         raise RowError("empty rollout_id", kind)
     if event.seq < 0:
         raise RowError(f"negative seq {event.seq}", kind)
-    _ts(event.ts, "ts", kind)
+    ts = event.ts
+    if not 0 <= ts <= MAX_TS_US:
+        raise RowError(f"ts {ts} is outside 0..{MAX_TS_US} microseconds", kind)
     return kind
 
 
 # --- events -----------------------------------------------------------------------------------
 
-
+_BODY_KINDS: dict[type, str] = {cls: cls.__name__ for cls in BODY_TYPES.values()}
 _FLOAT_FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
@@ -194,9 +196,15 @@ def _float_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def _finite(body: Any) -> bool:
     scalars, maps = _float_fields(type(body))
-    return all(math.isfinite(getattr(body, n)) for n in scalars) and all(
-        math.isfinite(v) for n in maps for v in getattr(body, n).values()
-    )
+    isfinite = math.isfinite
+    for name in scalars:
+        if not isfinite(getattr(body, name)):
+            return False
+    for name in maps:
+        for value in getattr(body, name).values():
+            if not isfinite(value):
+                return False
+    return True
 
 
 def _body_json(body: Any) -> bytes:
@@ -222,66 +230,97 @@ def _body_json(body: Any) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def rows_for_event(event: Event, topic: str, partition: int, offset: int) -> TableRows:
-    """Rows of one rollout event: its ``events`` row plus the typed table's row."""
+# The typed row of each body (None: the events row only). ``head`` is (event_id, rollout_id,
+# seq, ts), ``kafka`` is (topic, partition, offset).
+_Typed: TypeAlias = "tuple[str, tuple[Any, ...]] | None"
+
+
+def _llm_call_row(event: Event, body: LlmCall, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    if body.prefix_len < 0:
+        raise RowError(f"negative prefix_len {body.prefix_len}", "LlmCall")
+    u = body.usage
+    return "llm_calls", (
+        *head, body.call_id, body.parent_call_id or "", body.prefix_len,
+        body.prefix_len + len(body.prompt_delta), body.prompt_delta, body.completion_ids,
+        body.completion_logprobs, body.finish_reason, body.model, body.backend,
+        body.policy_version, body.latency_ms, u.prompt_tokens, u.completion_tokens,
+        u.cached_tokens, body.drift_tokens, *kafka,
+    )  # fmt: skip
+
+
+def _tool_call_row(event: Event, body: ToolCall, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return "tool_calls", (
+        *head, body.tool_call_id, body.name, body.arguments, body.result,
+        body.result_truncated, body.is_error, body.duration_ms, body.sandbox or "",
+        body.at_call_id or "", *kafka,
+    )  # fmt: skip
+
+
+def _reward_row(event: Event, body: Reward, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return "rewards", (
+        *head, body.value, str(body.kind), body.name, body.at_call_id or "", body.evaluator,
+        *kafka,
+    )  # fmt: skip
+
+
+def _started_row(event: Event, body: RolloutStarted, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return "rollouts", (
+        event.rollout_id, "started", event.seq * 4, event.ts,
+        body.task_id, body.group_id, body.run_id, body.attempt, body.group_size or 0,
+        body.harness, body.policy_version, "running", "", _NAN, 0, 0, 0,
+        event.ts, 0, *kafka,
+    )  # fmt: skip
+
+
+def _finished_row(event: Event, body: RolloutFinished, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return "rollouts", (
+        event.rollout_id, "finished", event.seq * 4 + 1, event.ts,
+        "", "", "", 0, 0, "", 0, str(body.status), body.error or "", _NAN, 0, 0, 0,
+        0, event.ts, *kafka,
+    )  # fmt: skip
+
+
+def _no_row(event: Event, body: Any, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return None
+
+
+_TYPED_ROWS: dict[type, Any] = {
+    cls: {
+        LlmCall: _llm_call_row,
+        ToolCall: _tool_call_row,
+        Reward: _reward_row,
+        RolloutStarted: _started_row,
+        RolloutFinished: _finished_row,
+    }.get(cls, _no_row)
+    for cls in BODY_TYPES.values()
+}
+
+
+def _event_rows(
+    event: Event, kafka: tuple[str, int, int]
+) -> tuple[tuple[Any, ...], str | None, tuple[Any, ...] | None]:
+    """(events row, typed table or None, typed row or None): ``rows_for_event`` and the
+    ``RowBatch`` fast path."""
     kind = _check_event(event)
     body = event.body
-    kafka = (topic, partition, offset)
     head = (event.event_id, event.rollout_id, event.seq, event.ts)
     try:
-        out: TableRows = {
-            "events": [
-                (*head, kind, event.producer, event.schema_version, _body_json(body), *kafka)
-            ]
-        }
+        body_json = _body_json(body)
     except (TypeError, ValueError, orjson.JSONEncodeError) as exc:
         raise RowError(f"body is not JSON-able: {exc}", kind) from exc
-    if isinstance(body, LlmCall):
-        if body.prefix_len < 0:
-            raise RowError(f"negative prefix_len {body.prefix_len}", kind)
-        u = body.usage
-        out["llm_calls"] = [
-            (
-                *head, body.call_id, body.parent_call_id or "", body.prefix_len,
-                body.prefix_len + len(body.prompt_delta), body.prompt_delta, body.completion_ids,
-                body.completion_logprobs, body.finish_reason, body.model, body.backend,
-                body.policy_version, body.latency_ms, u.prompt_tokens, u.completion_tokens,
-                u.cached_tokens, body.drift_tokens, *kafka,
-            )
-        ]  # fmt: skip
-    elif isinstance(body, ToolCall):
-        out["tool_calls"] = [
-            (
-                *head, body.tool_call_id, body.name, body.arguments, body.result,
-                body.result_truncated, body.is_error, body.duration_ms, body.sandbox or "",
-                body.at_call_id or "", *kafka,
-            )
-        ]  # fmt: skip
-    elif isinstance(body, Reward):
-        out["rewards"] = [
-            (
-                *head, body.value, str(body.kind), body.name, body.at_call_id or "",
-                body.evaluator, *kafka,
-            )
-        ]  # fmt: skip
-    elif isinstance(body, RolloutStarted):
-        out["rollouts"] = [
-            (
-                event.rollout_id, "started", event.seq * 4, event.ts,
-                body.task_id, body.group_id, body.run_id, body.attempt, body.group_size or 0,
-                body.harness, body.policy_version, "running", "", _NAN, 0, 0, 0,
-                event.ts, 0, *kafka,
-            )
-        ]  # fmt: skip
-    elif isinstance(body, RolloutFinished):
-        out["rollouts"] = [
-            (
-                event.rollout_id, "finished", event.seq * 4 + 1, event.ts,
-                "", "", "", 0, 0, "", 0, str(body.status), body.error or "", _NAN, 0, 0, 0,
-                0, event.ts, *kafka,
-            )
-        ]  # fmt: skip
-    return out
+    row = (*head, kind, event.producer, event.schema_version, body_json, *kafka)
+    typed = _TYPED_ROWS[type(body)](event, body, head, kafka)
+    if typed is None:
+        return row, None, None
+    return row, typed[0], typed[1]
+
+
+def rows_for_event(event: Event, topic: str, partition: int, offset: int) -> TableRows:
+    """Rows of one rollout event: its ``events`` row plus the typed table's row."""
+    row, table, typed = _event_rows(event, (topic, partition, offset))
+    if table is None:
+        return {"events": [row]}
+    return {"events": [row], table: [typed]}  # type: ignore[list-item]
 
 
 def event_from_row(row: Mapping[str, Any], llm_call: Mapping[str, Any] | None = None) -> Event:
@@ -470,19 +509,38 @@ class RowBatch:
         self.tables: TableRows = {}
 
     def _consume(self, offset: int) -> None:
-        if self.last is not None and offset <= self.last:
-            raise ValueError(f"offset {offset} is not after {self.last} in {self.token}")
-        if self.first is None:
+        last = self.last
+        if last is None:
             self.first = offset
+        elif offset <= last:
+            raise ValueError(f"offset {offset} is not after {last} in {self.token}")
         self.last = offset
         self.messages += 1
 
     def add(self, record: Record, offset: int, *, timestamp_us: int = 0) -> None:
         self._consume(offset)
-        rows = rows_for_record(
+        if type(record) is Event:  # the common case, without the per-record dicts
+            try:
+                row, table, typed = _event_rows(record, (self.topic, self.partition, offset))
+            except RowError:
+                raise
+            except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+                raise RowError(f"{type(exc).__name__}: {exc}", "Event") from exc
+            tables = self.tables
+            events = tables.get("events")
+            if events is None:
+                events = tables["events"] = []
+            events.append(row)
+            if table is not None:
+                rows = tables.get(table)
+                if rows is None:
+                    rows = tables[table] = []
+                rows.append(typed)  # type: ignore[arg-type]
+            return
+        rows_by_table = rows_for_record(
             record, self.topic, self.partition, offset, timestamp_us=timestamp_us
         )
-        for table, table_rows in rows.items():
+        for table, table_rows in rows_by_table.items():
             self.tables.setdefault(table, []).extend(table_rows)
 
     def skip(self, offset: int) -> None:

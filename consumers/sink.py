@@ -7,13 +7,15 @@
 
 One confluent-kafka consumer (group ``<ns>.rollstream-sink-v1``, auto-commit off) reads the
 events, trajectories, samples and policy.versions topics of a namespace. Messages are cut into
-batches per topic partition, each batch is decoded (Codec) and mapped (rows.RowBatch) by the
-consume loop, a writer thread inserts it with ``chstore.insert_batch`` under the token
-``topic:partition:first:last`` (ClickHouse works without the GIL while the loop decodes the
-next batches), and only then does the loop commit its offsets, synchronously, in order. A
-rebalance first waits until everything handed to the writer is inserted and committed.
-Records that cannot be decoded or mapped go to the dead-letter topic unchanged, with the
-reason in headers, and the sink carries on.
+batches per topic partition; each batch is decoded (Codec) and mapped (rows.RowBatch) by the
+consume loop, or by ``sink_map_workers`` worker processes (sink_workers.MapPool: decode, map
+and Arrow tables off the loop's GIL); a writer thread takes the batches in the order they were
+cut, dead-letters their bad records, inserts them (``chstore.insert_arrow_tables``) under the
+token ``topic:partition:first:last`` (ClickHouse works without the GIL meanwhile), and only
+then does the loop commit their offsets, synchronously, in order. A rebalance first waits
+until everything handed to the writer is inserted and committed. Records that cannot be
+decoded or mapped go to the dead-letter topic unchanged, with the reason in headers, and the
+sink carries on.
 
 Batch boundaries are a function of the log, not of timing, so a batch retried after a crash
 covers exactly the same offsets and ClickHouse drops it by its token (the raw row count does
@@ -53,25 +55,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rollstream.infra.migrations import apply_migrations
-from rollstream.schemas import (
-    Codec,
-    CommonSettings,
-    DecodeError,
-    Event,
-    PolicyVersion,
-    Sample,
-    Trajectory,
-)
+from rollstream.schemas import Codec, CommonSettings
 
 from . import chstore
-from .rows import RowBatch, RowError
+from .rows import RowBatch
 from .sink_batches import INTENT_PREFIX, BatchCutter, RawBatch, parse_intent
+from .sink_workers import EXPECT, MapJob, MapPool, MapResult, map_batch
 
 __all__ = [
     "INTENT_PREFIX",
@@ -92,12 +88,6 @@ __all__ = [
 log = logging.getLogger("rollstream.consumers.sink")
 
 SinkTopic = Literal["events", "trajectories", "samples", "policy"]
-_EXPECT: dict[str, type[Any]] = {
-    "events": Event,
-    "trajectories": Trajectory,
-    "samples": Sample,
-    "policy": PolicyVersion,
-}
 
 
 class SinkError(Exception):
@@ -118,7 +108,7 @@ class SinkSettings(CommonSettings):
     sink_group_id: str = "rollstream-sink-v1"  # consumer group (prefixed with the namespace)
     sink_instance_id: str | None = None  # Kafka static membership: restarts skip the rebalance
     sink_topics: list[SinkTopic] = ["events", "trajectories", "samples", "policy"]  # read these
-    sink_batch_messages: int = 5_000  # N: batches never cross a multiple of N offsets
+    sink_batch_messages: int = 20_000  # N: batches never cross a multiple of N offsets
     sink_batch_bytes: int = 32 << 20  # ... nor this many value bytes
     sink_flush_interval_s: float = 1.0  # a caught-up partial batch this old is flushed (intent)
     sink_flush_max_wait_s: float = 60.0  # ... and any partial batch this old
@@ -128,6 +118,7 @@ class SinkSettings(CommonSettings):
     sink_max_poll_interval_ms: int = 300_000  # Kafka max.poll.interval.ms
     sink_max_partition_fetch_bytes: int = 8 << 20  # Kafka max.partition.fetch.bytes
     sink_pipeline_depth: int = 4  # mapped batches waiting for the writer thread
+    sink_map_workers: int = 0  # processes that decode + map batches (0: the consume loop)
     sink_insert_retry_s: float = 120.0  # retry a failing (transport) insert, then exit
     sink_stats_interval_s: float = 30.0  # counters in the log this often (0: never)
     sink_log_level: str = "info"  # python -m ...sink; debug logs every insert and commit
@@ -203,11 +194,18 @@ def _offset(msg: Message) -> int:
 
 @dataclass
 class _Mapped:
-    """A batch decoded and mapped (its bad records already sent to the DLQ)."""
+    """A batch handed to the writer: mapped in the loop (``result``) or being mapped by a worker
+    (``future``). Its bad records are dead-lettered by the writer, before the insert."""
 
     batch: RawBatch
-    rows: RowBatch
-    good: list[tuple[Any, Message]]  # (record, message) of the records that mapped
+    result: MapResult | None = None
+    future: Future[MapResult] | None = None
+
+    def wait(self) -> MapResult:
+        if self.result is None:
+            assert self.future is not None
+            self.result, self.future = self.future.result(), None
+        return self.result
 
 
 class _Writer:
@@ -277,7 +275,8 @@ class Sink:
         self.settings = s = settings
         self.database = s.database
         self.stats = SinkStats()
-        self.codec = Codec()
+        self.codec = Codec()  # the loop's (in-process mapping)
+        self._writer_codec = Codec()  # the writer's (records of a rejected batch, one by one)
         self._topics = s.topic_names()
         self._stop = threading.Event()
         self._cutters: dict[tuple[str, int], BatchCutter] = {}
@@ -308,6 +307,14 @@ class Sink:
         self._dlq_errors: list[str] = []
         self._last_stats = time.monotonic()
         self._writer: _Writer | None = None
+        self._pool: MapPool | None = None
+        if s.sink_map_workers > 0:
+            self._pool = MapPool(s.sink_map_workers)
+            try:
+                self._pool.warm_up()
+            except BaseException:
+                self._pool.close()
+                raise
         self.ready = threading.Event()
 
     # --- rebalance --------------------------------------------------------------------------
@@ -348,7 +355,7 @@ class Sink:
             on_lost=self._on_revoke,
         )  # fmt: skip
         log.info("sink ready: %s -> %s (group %s)", sorted(self._topics), self.database, s.group_id)
-        self._writer = writer = _Writer(self._store, s.sink_pipeline_depth)
+        self._writer = writer = _Writer(self._store, s.sink_pipeline_depth + s.sink_map_workers)
         self.ready.set()
         try:
             while not self._stop.is_set():
@@ -357,16 +364,19 @@ class Sink:
                 msgs = self._poll()
                 now = time.monotonic()
                 ready: list[RawBatch] = []
+                cutters = self._cutters
                 for msg in msgs:
                     err = msg.error()
                     if err is not None:
                         self._on_error(err)
                         continue
-                    cutter = self._cutters.get((msg.topic() or "", msg.partition() or 0))
+                    cutter = cutters.get((msg.topic(), msg.partition()))  # type: ignore[arg-type]
                     if cutter is None:  # not assigned any more (a revoke raced the fetch)
                         continue
                     value = msg.value()
-                    ready += cutter.add(_offset(msg), len(value) if value else 0, msg, now)
+                    cut = cutter.add(_offset(msg), len(value) if value else 0, msg, now)
+                    if cut:
+                        ready += cut
                 if msgs and not self.stats.messages:
                     self.stats.first_message_at = now
                 self.stats.messages += len(msgs)
@@ -496,68 +506,88 @@ class Sink:
         return True
 
     def _map(self, batch: RawBatch) -> _Mapped:
-        """Map every message; bad ones are dead-lettered (their offsets stay in the range)."""
-        rows = RowBatch(batch.topic, batch.partition)
-        expect = _EXPECT[self._topics[batch.topic]]
-        good: list[tuple[Any, Message]] = []
-        for msg in batch.items:
-            offset = _offset(msg)
-            try:
-                record = self.codec.decode(msg.value(), expect=expect)
-            except DecodeError as exc:
-                rows.skip(offset)
-                self._dead_letter(msg, exc.reason, "undecodable", "")
-                continue
-            try:
-                rows.add(record, offset, timestamp_us=max(msg.timestamp()[1], 0) * 1000)
-            except RowError as exc:
-                self._dead_letter(msg, exc.reason, "unmappable", exc.kind)
-                continue
-            good.append((record, msg))
-        return _Mapped(batch, rows, good)
+        """Decode and map the batch here, or hand it to a worker (``sink_map_workers``)."""
+        kind = self._topics[batch.topic]
+        items: list[Message] = batch.items
+        job = MapJob(
+            batch.topic, batch.partition, kind, batch.token,
+            [_offset(m) for m in items], [m.value() for m in items],
+            None if kind == "events" else [max(m.timestamp()[1], 0) * 1000 for m in items],
+        )  # fmt: skip
+        if self._pool is not None:
+            return _Mapped(batch, future=self._pool.submit(job))
+        return _Mapped(batch, result=map_batch(job, self.codec))
 
     def _store(self, mapped: _Mapped) -> None:
-        batch, rows, good = mapped.batch, mapped.rows, mapped.good
-        if rows.token != batch.token:  # cannot happen: RowBatch counts every offset
-            raise SinkError(f"batch token {rows.token} != {batch.token}")
+        """(Writer thread.) Dead-letter the batch's bad records, then insert its rows."""
+        batch, result = mapped.batch, mapped.wait()
+        if result.token != batch.token:  # cannot happen: map_batch counts every offset
+            raise SinkError(f"batch token {result.token} != {batch.token}")
+        for index, code, reason, kind in result.bad:
+            self._dead_letter(batch.items[index], reason, code, kind)
         try:
-            self._insert(rows)
+            if result.arrow_error is not None:
+                raise chstore.InsertError(
+                    result.arrow_error, table="", token=batch.token, retryable=False
+                )
+            if result.arrow is not None:
+                self._insert_arrow(result.arrow, batch.token)
+            elif result.rows:
+                self._insert_arrow(chstore.arrow_tables(result.rows, batch.token), batch.token)
         except chstore.InsertError as exc:
             if exc.retryable:
                 raise
-            log.warning("batch %s rejected (%s): inserting its records one by one", rows.token, exc)
+            log.warning(
+                "batch %s rejected (%s): inserting its records one by one", batch.token, exc
+            )
             self.stats.split_batches += 1
-            for record, msg in good:
-                one = RowBatch(batch.topic, batch.partition)
-                one.add(record, _offset(msg), timestamp_us=max(msg.timestamp()[1], 0) * 1000)
-                try:
-                    self._insert(one)
-                except chstore.InsertError as err:
-                    if err.retryable:
-                        raise
-                    self._dead_letter(msg, str(err), "rejected", type(record).__name__)
+            self._store_one_by_one(batch, {index for index, *_ in result.bad})
         self.stats.batches += 1
         self.stats.last_insert_at = time.monotonic()
-        for table, table_rows in rows.tables.items():
-            self.stats.rows[table] = self.stats.rows.get(table, 0) + len(table_rows)
-        log.debug("inserted %s (%d messages, %d rows)", rows.token, len(rows), rows.num_rows)
+        for table, n in result.counts.items():
+            self.stats.rows[table] = self.stats.rows.get(table, 0) + n
+        log.debug(
+            "inserted %s (%d messages, %d rows)", batch.token, len(batch.items), result.num_rows
+        )
+
+    def _store_one_by_one(self, batch: RawBatch, bad: set[int]) -> None:
+        """A rejected batch: each record that mapped is inserted alone (token
+        ``topic:partition:o:o``); the ones the server rejects go to the DLQ (``rejected``)."""
+        expect = EXPECT[self._topics[batch.topic]]
+        for index, msg in enumerate(batch.items):
+            if index in bad:
+                continue
+            record = self._writer_codec.decode(msg.value(), expect=expect)
+            one = RowBatch(batch.topic, batch.partition)
+            one.add(record, _offset(msg), timestamp_us=max(msg.timestamp()[1], 0) * 1000)
+            try:
+                self._insert(one)
+            except chstore.InsertError as err:
+                if err.retryable:
+                    raise
+                self._dead_letter(msg, str(err), "rejected", type(record).__name__)
 
     def _insert(self, rows: RowBatch) -> None:
-        if not rows.tables:
+        if rows.tables:
+            self._insert_arrow(chstore.arrow_tables(rows.tables, rows.token), rows.token)
+
+    def _insert_arrow(self, tables: dict[str, Any], token: str) -> None:
+        """Insert with the batch's token; a retryable failure is retried with backoff."""
+        if not tables:
             return
         deadline = time.monotonic() + self.settings.sink_insert_retry_s
         delay = 0.2
         while True:
             try:
-                chstore.insert_batch(self._client, rows.tables, rows.token, database=self.database)
+                chstore.insert_arrow_tables(self._client, tables, token, database=self.database)
                 return
             except chstore.InsertError as exc:
                 if not exc.retryable:
                     raise
                 if time.monotonic() + delay > deadline:
-                    raise InsertRetryError(f"insert of {rows.token} kept failing: {exc}") from exc
+                    raise InsertRetryError(f"insert of {token} kept failing: {exc}") from exc
                 self.stats.insert_retries += 1
-                log.warning("insert of %s failed (%s); retrying in %.1fs", rows.token, exc, delay)
+                log.warning("insert of %s failed (%s); retrying in %.1fs", token, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -601,6 +631,8 @@ class Sink:
         except (KafkaException, RuntimeError) as exc:
             log.warning("closing the consumer: %s", exc)
         self.producer.flush(10)
+        if self._pool is not None:
+            self._pool.close()
         if self._owns_client:
             self._client.close()
 

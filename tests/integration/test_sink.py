@@ -3,8 +3,11 @@ as a subprocess; every check goes through its analytics server): SDK events land
 offsets are committed only after the insert, poison records go to the DLQ and the sink goes on,
 and SIGKILLs at random moments lose and duplicate nothing.
 
-The kill loop runs 20 kills over 20,000 events here; RS_IT_SINK_KILLS and RS_IT_SINK_EVENTS
-scale it (the issue's full size: RS_IT_SINK_KILLS=100 RS_IT_SINK_EVENTS=200000)."""
+The kill loop runs 20 kills over 20,000 events here, once with decode + map in the consume loop
+and once in worker processes (sink_map_workers=2: their results are inserted in the order the
+batches were cut, and they do not outlive a SIGKILLed sink); RS_IT_SINK_KILLS and
+RS_IT_SINK_EVENTS scale it (the issue's full size: RS_IT_SINK_KILLS=100
+RS_IT_SINK_EVENTS=200000)."""
 
 from __future__ import annotations
 
@@ -150,11 +153,15 @@ def test_sdk_events_land_in_the_tables_and_offsets_follow_inserts(
         committed.close()
 
 
+MAP_WORKERS = pytest.mark.parametrize("workers", ["0", "2"], ids=["in-loop", "map-workers"])
+
+
+@MAP_WORKERS
 def test_poison_records_go_to_the_dlq_and_the_sink_goes_on(
-    kafka_settings: CommonSettings, tmp_path: Path, sink_factory: Any
+    kafka_settings: CommonSettings, tmp_path: Path, sink_factory: Any, workers: str
 ) -> None:
     topics = kafka_settings.topics()
-    sink = sink_factory(kafka_settings, sink_flush_interval_s="0.2")
+    sink = sink_factory(kafka_settings, sink_flush_interval_s="0.2", sink_map_workers=workers)
     sink.start()
     sink.wait_ready()
     record_rollouts(kafka_settings, tmp_path, 3, seed=1)
@@ -200,10 +207,15 @@ def test_poison_records_go_to_the_dlq_and_the_sink_goes_on(
     assert h["code"] == "undecodable" and "expected Event" in h["reason"]
 
 
+KILLS = int(os.environ.get("RS_IT_SINK_KILLS", "20"))
+
+
+@MAP_WORKERS
+@pytest.mark.timeout(max(600, 15 * KILLS))  # 100 kills took 495 s (in loop) on the dev box
 def test_sigkill_in_a_loop_loses_and_duplicates_nothing(
-    kafka_settings: CommonSettings, tmp_path: Path, sink_factory: Any
+    kafka_settings: CommonSettings, tmp_path: Path, sink_factory: Any, workers: str
 ) -> None:
-    kills = int(os.environ.get("RS_IT_SINK_KILLS", "20"))
+    kills = KILLS
     n_events = int(os.environ.get("RS_IT_SINK_EVENTS", "20000"))
     rollouts = n_events // 8  # 8 events per rollout
     topics = kafka_settings.topics()
@@ -211,7 +223,7 @@ def test_sigkill_in_a_loop_loses_and_duplicates_nothing(
     # between an insert and its commit, or between an intent and its insert
     sink = sink_factory(
         kafka_settings, sink_batch_messages="400", sink_flush_interval_s="0.25",
-        sink_debug_commit_delay_s="0.3",
+        sink_debug_commit_delay_s="0.3", sink_map_workers=workers,
     )  # fmt: skip
     producing = threading.Thread(
         target=record_rollouts,
@@ -228,7 +240,10 @@ def test_sigkill_in_a_loop_loses_and_duplicates_nothing(
         while " inserted " not in sink.current_log() and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.2))
+        workers_before = _map_workers(sink)
+        assert len(workers_before) == int(workers)
         sink.kill()
+        _assert_gone(workers_before)
     producing.join(300)
     assert not producing.is_alive()
     sink.start()
@@ -260,6 +275,52 @@ def test_sigkill_in_a_loop_loses_and_duplicates_nothing(
     # the batch boundaries were reproduced after every crash: the tokens caught every retry
     assert raw == len(produced)
     assert llm_raw == 2 * rollouts
+
+
+def _map_workers(sink: Any) -> list[int]:
+    """Pids of the sink process's map workers (its children running sink_workers)."""
+    assert sink.proc is not None
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == sink.proc.pid and b"sink_workers" in cmd:
+            out.append(int(entry.name))
+    return out
+
+
+def _assert_gone(pids: list[int], timeout: float = 30.0) -> None:
+    """The processes exit (a SIGKILLed sink's workers see their pipe close)."""
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive:
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
+        assert time.monotonic() < deadline, (
+            f"map workers outlived the killed sink: {[_describe(p) for p in alive]}"
+        )
+        time.sleep(0.05)
+
+
+def _describe(pid: int) -> str:
+    try:
+        proc = Path(f"/proc/{pid}")
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        fds = {fd.name: os.readlink(fd) for fd in (proc / "fd").iterdir()}
+        return f"{pid} {state} {(proc / 'wchan').read_text()} {fds}"
+    except OSError as exc:
+        return f"{pid}: {exc}"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def test_analytics_client_refuses_writes_and_reports(
