@@ -18,7 +18,6 @@ from rollstream.streams.core import (
     expire_group,
     should_evict_group,
     state_from_bytes,
-    state_to_bytes,
 )
 
 from .books import (
@@ -166,14 +165,7 @@ class GroupBook(Book):
 
     # --- internals ------------------------------------------------------------------------
 
-    def _close(self, step: Step, gid: str, slot: Slot[GroupState]) -> None:
-        partition = slot.partition
-        step.deferred.append((closed_key(partition, gid), state_to_bytes(slot.state)))
-        step.deferred += [(traj_key(partition, gid, rid), None) for rid in slot.offsets]
-        slot.offsets = {}
-        step.on_done = self._mark_done(slot)
-        del self.open[gid]
-        self.closed[gid] = slot
+    _member_key = staticmethod(traj_key)  # (partition, group_id, rollout_id): a trajectory
 
     def _outs(
         self,

@@ -231,6 +231,22 @@ class Book:
         )
         return Out(Sink.DLQ, key, value, headers)
 
+    # set by the subclasses: open and closed slots by id, and the table key of a member
+    open: dict[str, Slot[Any]]
+    closed: dict[str, Slot[Any]]
+    _member_key: Callable[[int, str, Any], bytes]
+
+    def _close(self, step: Step, ident: str, slot: Slot[Any]) -> None:
+        """Close a rollout or group: once the step's sends are acknowledged, write its state as
+        the closed marker and delete its members' entries; open -> closed."""
+        partition = slot.partition
+        step.deferred.append((closed_key(partition, ident), state_to_bytes(slot.state)))
+        step.deferred += [(self._member_key(partition, ident, m), None) for m in slot.offsets]
+        slot.offsets = {}
+        step.on_done = self._mark_done(slot)
+        del self.open[ident]
+        self.closed[ident] = slot
+
     @staticmethod
     def _mark_done(slot: Slot[Any]) -> Callable[[], None]:
         slot.busy = True
@@ -372,14 +388,7 @@ class RolloutBook(Book):
 
     # --- internals ------------------------------------------------------------------------
 
-    def _close(self, step: Step, rid: str, slot: Slot[RolloutState]) -> None:
-        partition = slot.partition
-        step.deferred.append((closed_key(partition, rid), state_to_bytes(slot.state)))
-        step.deferred += [(_event_key(partition, rid, seq), None) for seq in slot.offsets]
-        slot.offsets = {}
-        step.on_done = self._mark_done(slot)
-        del self.open[rid]
-        self.closed[rid] = slot
+    _member_key = staticmethod(_event_key)  # (partition, rollout_id, seq): an event's entry
 
     def _out(
         self,
