@@ -28,13 +28,17 @@ _pack_double = struct.Struct("<d").pack
 _pack_float = struct.Struct("<f").pack
 
 
-def _varint(n: int) -> bytes:
+def _zigzag(buf: bytearray, n: int) -> None:
     n = (n << 1) ^ (n >> 63)
-    out = bytearray()
     while n & ~0x7F:
-        out.append((n & 0x7F) | 0x80)
+        buf.append((n & 0x7F) | 0x80)
         n >>= 7
-    out.append(n)
+    buf.append(n)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    _zigzag(out, n)
     return bytes(out)
 
 
@@ -45,25 +49,19 @@ _SMALL_LONGS = [_varint(n) for n in range(_SMALL)]
 def _long(buf: bytearray, n: int) -> None:
     if 0 <= n < _SMALL:
         buf += _SMALL_LONGS[n]
-        return
-    n = (n << 1) ^ (n >> 63)
-    while n & ~0x7F:
-        buf.append((n & 0x7F) | 0x80)
-        n >>= 7
-    buf.append(n)
+    else:
+        _zigzag(buf, n)
 
 
 def _string(buf: bytearray, s: str) -> None:
     data = s.encode()
-    n = len(data)
-    buf += _SMALL_LONGS[n] if n < _SMALL else _varint(n)
+    _long(buf, len(data))
     buf += data
 
 
 def _bytes(buf: bytearray, v: Any) -> None:
     data = v.tobytes() if isinstance(v, np.ndarray) else bytes(v)
-    n = len(data)
-    buf += _SMALL_LONGS[n] if n < _SMALL else _varint(n)
+    _long(buf, len(data))
     buf += data
 
 
