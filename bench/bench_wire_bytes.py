@@ -10,7 +10,10 @@ Each turn the harness adds a user message of --turn-tokens tokens and the model 
              ~4 characters of text per token (typical of GPT/Qwen BPE on English); ChatML
              framing tokens around each message as in the real template
 Ours: every event the Recorder hands to Kafka for the rollout (RolloutStarted, 50 LlmCalls,
-RolloutFinished), Avro single-object encoded, key included, no compression. Logging proxy, per
+RolloutFinished), Avro single-object encoded, key included: as sent with the SDK's default
+``compression="none"``, and as stored with ``compression="zstd"`` / ``"lz4"`` (each event
+compressed alone, zstd level 3 / LZ4 frame as librdkafka does: a live rollout's events are
+seconds apart, so each is its own record batch; batch headers not counted). Logging proxy, per
 call: the request JSON (model, all messages so far) + the response JSON (the reply), and, since
 an RL trainer needs them, the same with the reply's logprobs in OpenAI's format
 (``logprobs.content[] = {token, logprob, bytes, top_logprobs}``).
@@ -25,6 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import cramjam
 import numpy as np
 
 from rollstream.producers import MemoryTransport, Recorder, RecorderSettings
@@ -45,9 +49,15 @@ def recorder() -> tuple[Recorder, MemoryTransport]:
     return Recorder(settings, transport=transport), transport
 
 
-def wire_bytes(rec: Recorder, transport: MemoryTransport) -> int:
+def wire_bytes(rec: Recorder, transport: MemoryTransport) -> dict[str, int]:
+    """Bytes of the rollout's records: uncompressed, and each compressed alone."""
     assert rec.flush(30)
-    return sum(len(m.key or b"") + len(m.value) for m in transport.messages(rec.topic))
+    records = [(m.key or b"") + m.value for m in transport.messages(rec.topic)]
+    return {
+        "none": sum(map(len, records)),
+        "zstd": sum(len(cramjam.zstd.compress(r, level=3)) for r in records),
+        "lz4": sum(len(cramjam.lz4.compress(r)) for r in records),
+    }
 
 
 def log_bytes(messages: list[dict[str, Any]], reply: str, tokens: list[str], lps: list[float],
@@ -106,7 +116,8 @@ def run_tiny(turns: int, n: int) -> dict[str, Any]:
             del turn
     ours = wire_bytes(rec, transport)
     rec.close(5)
-    return {"ours": ours, "log": plain, "log_lp": logged,
+    return {"ours": ours["none"], "ours_zstd": ours["zstd"], "ours_lz4": ours["lz4"],
+            "log": plain, "log_lp": logged,
             "chars_per_token": round(chars / (2 * turns * n), 2)}  # fmt: skip
 
 
@@ -144,7 +155,8 @@ def run_bpe(turns: int, n: int, chars_per_token: float = 4.0) -> dict[str, Any]:
             prompt = np.concatenate([prompt, gen, [nl]]).astype(np.uint32)
     ours = wire_bytes(rec, transport)
     rec.close(5)
-    return {"ours": ours, "log": plain, "log_lp": logged, "chars_per_token": chars_per_token}
+    return {"ours": ours["none"], "ours_zstd": ours["zstd"], "ours_lz4": ours["lz4"],
+            "log": plain, "log_lp": logged, "chars_per_token": chars_per_token}  # fmt: skip
 
 
 def main() -> None:
@@ -154,18 +166,20 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=200)
     args = ap.parse_args()
     out: dict[str, Any] = {"turns": args.turns, "turn_tokens": args.turn_tokens}
-    print(
-        f"{'tokenizer':9} {'ours KB':>9} {'log KB':>9} {'ratio':>7} {'log+lp KB':>10} {'ratio':>7}"
-    )
+    print(f"{'tokenizer':9} {'ours as':8} {'ours KB':>9} {'log KB':>9} {'ratio':>7} "
+          f"{'log+lp KB':>10} {'ratio':>7}")  # fmt: skip
     for name, res in (("tiny", run_tiny(args.turns, args.turn_tokens)),
                       ("bpe150k", run_bpe(args.turns, args.turn_tokens))):  # fmt: skip
-        ratio, ratio_lp = res["log"] / res["ours"], res["log_lp"] / res["ours"]
-        print(f"{name:9} {res['ours'] / 1e3:9.1f} {res['log'] / 1e3:9.1f} {ratio:7.1f} "
-              f"{res['log_lp'] / 1e3:10.1f} {ratio_lp:7.1f}")  # fmt: skip
-        out |= {f"{name}_ours_bytes": res["ours"], f"{name}_log_bytes": res["log"],
-                f"{name}_log_logprobs_bytes": res["log_lp"], f"{name}_ratio": round(ratio, 2),
-                f"{name}_ratio_logprobs": round(ratio_lp, 2),
+        out |= {f"{name}_log_bytes": res["log"], f"{name}_log_logprobs_bytes": res["log_lp"],
                 f"{name}_chars_per_token": res["chars_per_token"]}  # fmt: skip
+        for comp, key in (("none", "ours"), ("zstd", "ours_zstd"), ("lz4", "ours_lz4")):
+            ours = res[key]
+            ratio, ratio_lp = res["log"] / ours, res["log_lp"] / ours
+            print(f"{name:9} {comp:8} {ours / 1e3:9.1f} {res['log'] / 1e3:9.1f} {ratio:7.1f} "
+                  f"{res['log_lp'] / 1e3:10.1f} {ratio_lp:7.1f}")  # fmt: skip
+            tag = "" if comp == "none" else f"_{comp}"
+            out |= {f"{name}_ours{tag}_bytes": ours, f"{name}_ratio{tag}": round(ratio, 2),
+                    f"{name}_ratio{tag}_logprobs": round(ratio_lp, 2)}  # fmt: skip
     print(json.dumps(out))
 
 
