@@ -27,9 +27,13 @@ kafka-jars: $(STAMP)
 
 # The test session starts the real Kafka broker itself (tests/conftest.py) and stops it.
 # pytest exit codes: 0 passed; 5 means no test ran, which is a failure here too.
+# On a failure the failed tests are listed last (.ci/failed_tests.py reads pytest's JUnit XML).
 test: kafka-jars
-	@$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	@mkdir -p .rollstream
+	@$(PY) -m pytest -q -p no:cacheprovider --junitxml=.rollstream/pytest-junit.xml $(PYTEST_ARGS); \
+	rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+	if [ $$rc -ne 0 ]; then $(PY) .ci/failed_tests.py .rollstream/pytest-junit.xml; fi; \
 	exit $$rc
 
 test-unit: $(STAMP)

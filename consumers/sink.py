@@ -34,7 +34,13 @@ not change). A batch that starts at offset ``a`` ends at the first of:
       (``sink_flush_max_wait_s`` cuts anyway: for a log that ends in transaction markers.)
 
 A rebalance drops the uncommitted batches of revoked partitions; the next owner reads them again
-from the committed offsets and builds the same batches (same rules, same intents). A clean stop
+from the committed offsets and builds the same batches (same rules, same intents).
+
+Tokens alone do not make a retry safe: a process killed inside an insert can leave the token in
+ClickHouse's deduplication log without the rows, and the retry is then dropped. So after each
+assignment the batches of a partition are *verified* until the first one of which nothing is
+stored: only the rows whose offsets are missing are inserted, under a fresh token
+(sink_verify.py). A clean stop
 stores the caught-up partial batches (with intents) and leaves the rest to be read again.
 
 Errors::
@@ -64,7 +70,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from rollstream.infra.migrations import apply_migrations
 from rollstream.schemas import Codec, CommonSettings
 
-from . import chstore
+from . import chstore, sink_verify
 from .rows import RowBatch
 from .sink_batches import INTENT_PREFIX, BatchCutter, RawBatch, parse_intent
 from .sink_workers import EXPECT, MapJob, MapPool, MapResult, map_batch
@@ -158,6 +164,8 @@ class SinkStats:
     commit_failures: int = 0
     insert_retries: int = 0
     split_batches: int = 0
+    verified_batches: int = 0  # re-read after an assignment, checked against the tables
+    verified_rows_present: int = 0  # ... rows of them that were stored already (not re-sent)
     dropped_on_revoke: int = 0
     first_message_at: float = 0.0  # time.monotonic() of the first message (benchmarks)
     last_insert_at: float = 0.0  # ... and of the last insert
@@ -280,6 +288,8 @@ class Sink:
         self._topics = s.topic_names()
         self._stop = threading.Event()
         self._cutters: dict[tuple[str, int], BatchCutter] = {}
+        # partitions whose re-read batches are checked against the tables (sink_verify.py)
+        self._verifying: set[tuple[str, int]] = set()
         self._client = client if client is not None else chstore.connect(s.clickhouse_url)
         self._owns_client = client is None
         apply_migrations(self._client, self.database)
@@ -331,6 +341,7 @@ class Sink:
                 max_bytes=self.settings.sink_batch_bytes,
                 intent=intent,
             )
+            self._verifying.add((tp.topic, tp.partition))
         log.info("assigned %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -339,6 +350,7 @@ class Sink:
             self._commit_done()
         for tp in partitions:
             cutter = self._cutters.pop((tp.topic, tp.partition), None)
+            self._verifying.discard((tp.topic, tp.partition))
             if cutter is not None:
                 self.stats.dropped_on_revoke += len(cutter)
         log.info("revoked %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in partitions))
@@ -525,15 +537,23 @@ class Sink:
             raise SinkError(f"batch token {result.token} != {batch.token}")
         for index, code, reason, kind in result.bad:
             self._dead_letter(batch.items[index], reason, code, kind)
+        key = (batch.topic, batch.partition)
+        verify = key in self._verifying
         try:
             if result.arrow_error is not None:
                 raise chstore.InsertError(
                     result.arrow_error, table="", token=batch.token, retryable=False
                 )
             if result.arrow is not None:
-                self._insert_arrow(result.arrow, batch.token)
+                tables = result.arrow
             elif result.rows:
-                self._insert_arrow(chstore.arrow_tables(result.rows, batch.token), batch.token)
+                tables = chstore.arrow_tables(result.rows, batch.token)
+            else:
+                tables = {}
+            if not verify:
+                self._insert_arrow(tables, batch.token)
+            elif tables and not self._insert_verified(batch, batch.first, batch.last, tables):
+                self._verifying.discard(key)  # nothing of it was stored: never attempted after
         except chstore.InsertError as exc:
             if exc.retryable:
                 raise
@@ -541,7 +561,7 @@ class Sink:
                 "batch %s rejected (%s): inserting its records one by one", batch.token, exc
             )
             self.stats.split_batches += 1
-            self._store_one_by_one(batch, {index for index, *_ in result.bad})
+            self._store_one_by_one(batch, {index for index, *_ in result.bad}, verify)
         self.stats.batches += 1
         self.stats.last_insert_at = time.monotonic()
         for table, n in result.counts.items():
@@ -550,9 +570,10 @@ class Sink:
             "inserted %s (%d messages, %d rows)", batch.token, len(batch.items), result.num_rows
         )
 
-    def _store_one_by_one(self, batch: RawBatch, bad: set[int]) -> None:
+    def _store_one_by_one(self, batch: RawBatch, bad: set[int], verify: bool = False) -> None:
         """A rejected batch: each record that mapped is inserted alone (token
-        ``topic:partition:o:o``); the ones the server rejects go to the DLQ (``rejected``)."""
+        ``topic:partition:o:o``; checked against the tables first when ``verify``); the ones the
+        server rejects go to the DLQ (``rejected``)."""
         expect = EXPECT[self._topics[batch.topic]]
         for index, msg in enumerate(batch.items):
             if index in bad:
@@ -561,7 +582,12 @@ class Sink:
             one = RowBatch(batch.topic, batch.partition)
             one.add(record, _offset(msg), timestamp_us=max(msg.timestamp()[1], 0) * 1000)
             try:
-                self._insert(one)
+                if not verify:
+                    self._insert(one)
+                elif one.tables:
+                    offset = _offset(msg)
+                    tables = chstore.arrow_tables(one.tables, one.token)
+                    self._insert_verified(batch, offset, offset, tables)
             except chstore.InsertError as err:
                 if err.retryable:
                     raise
@@ -570,6 +596,45 @@ class Sink:
     def _insert(self, rows: RowBatch) -> None:
         if rows.tables:
             self._insert_arrow(chstore.arrow_tables(rows.tables, rows.token), rows.token)
+
+    def _insert_verified(
+        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any]
+    ) -> bool:
+        """Insert the rows of offsets ``first..last`` of the batch's partition that no table
+        holds yet, under a fresh token. Returns whether any of them was stored already."""
+        present: dict[str, set[int]] = {}
+        for name in tables:
+            present[name] = self._retrying(
+                f"verify of {batch.token}",
+                lambda name=name: sink_verify.present_offsets(
+                    self._client, self.database, name, batch.topic, batch.partition, first, last
+                ),
+            )
+        missing = sink_verify.missing_rows(tables, present)
+        self.stats.verified_batches += 1
+        stored = sum(t.num_rows for t in tables.values()) - sum(
+            t.num_rows for t in missing.values()
+        )
+        self.stats.verified_rows_present += stored
+        if missing:
+            self._insert_arrow(missing, sink_verify.fresh_token(batch.token))
+        log.debug("verified %s[%d..%d]: %d rows stored already", batch.token, first, last, stored)
+        return stored > 0
+
+    def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with backoff on a transport failure (QueryError) for
+        ``sink_insert_retry_s``."""
+        deadline = time.monotonic() + self.settings.sink_insert_retry_s
+        delay = 0.2
+        while True:
+            try:
+                return fn()
+            except chstore.QueryError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise InsertRetryError(f"{what} kept failing: {exc}") from exc
+                log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _insert_arrow(self, tables: dict[str, Any], token: str) -> None:
         """Insert with the batch's token; a retryable failure is retried with backoff."""

@@ -1,0 +1,70 @@
+"""Re-inserting a batch after a crash without trusting its dedup token blindly.
+
+ClickHouse's non-replicated deduplication log (``non_replicated_deduplication_window``) records
+a block's token *before* the new part is renamed into the table. A process killed between the
+two leaves the token in the log and no rows in the table, and every retry with that token is
+then dropped as a duplicate: the batch is lost although its insert "succeeded". Measured with
+chDB: 1 batch in 163 lost over 60 SIGKILLs of a process inserting token-tagged batches in a
+loop (docs/sink-and-replay.md, "Crash safety").
+
+So after every partition assignment the sink *verifies* the batches it re-reads, in order,
+until the first one of which nothing is stored: for each table it asks which of the batch's
+Kafka offsets are already there, inserts only the missing rows, under a fresh token (the old
+one may be poisoned). From the first batch with nothing stored on, every later batch of the
+partition was never attempted before, so their normal tokens are trusted again. Only one insert
+is in flight at a time (the writer thread), so at most one token can be poisoned per crash.
+
+    present_offsets(client, database, table, topic, partition, lo, hi) -> set[int]
+    missing_rows(tables, present) -> dict[str, pa.Table]     (pure)
+    fresh_token(token) -> str
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import chstore
+
+__all__ = ["fresh_token", "missing_rows", "present_offsets"]
+
+
+def present_offsets(
+    client: Any, database: str, table: str, topic: str, partition: int, lo: int, hi: int
+) -> set[int]:
+    """Kafka offsets of ``topic[partition]`` in ``[lo, hi]`` that have a row in ``table``."""
+    chstore.check_identifier(database)
+    chstore.check_identifier(table)
+    result = chstore.query(
+        client,
+        f"SELECT DISTINCT kafka_offset FROM {database}.{table} "
+        "WHERE kafka_topic = {t:String} AND kafka_partition = {p:Int32} "
+        "AND kafka_offset BETWEEN {lo:Int64} AND {hi:Int64}",
+        {"t": topic, "p": partition, "lo": lo, "hi": hi},
+    )
+    return {int(row[0]) for row in result.rows}
+
+
+def missing_rows(
+    tables: Mapping[str, pa.Table], present: Mapping[str, set[int]]
+) -> dict[str, pa.Table]:
+    """Each table's rows whose ``kafka_offset`` is not in ``present[table]`` (tables with none
+    left are omitted). A record gives at most one row per table, so the offset names the row."""
+    out: dict[str, pa.Table] = {}
+    for name, table in tables.items():
+        have = present.get(name) or set()
+        if have:
+            keep = pc.invert(pc.is_in(table.column("kafka_offset"), pa.array(sorted(have))))
+            table = table.filter(keep)
+        if table.num_rows:
+            out[name] = table
+    return out
+
+
+def fresh_token(token: str) -> str:
+    """A token no earlier attempt used (a verified insert must not meet a poisoned one)."""
+    return f"{token}:v{uuid.uuid4().hex[:12]}"

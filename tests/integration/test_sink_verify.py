@@ -1,0 +1,97 @@
+"""The sink after a crash that poisoned a dedup token (consumers/sink_verify.py).
+
+A process killed inside a ClickHouse insert can leave the insert's token in the table's
+deduplication log without its rows; a retry with that token is then silently dropped. This
+test builds that state on purpose — a decoy block inserted with the token the sink's first
+batch of each partition will use, then deleted — and checks the sink still stores every event:
+it verifies re-read batches against the table instead of trusting their tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _sink_process import (
+    Committed,
+    SinkProcess,
+    ends_of,
+    read_topic,
+    record_rollouts,
+    wait_committed,
+)
+
+from rollstream.consumers import chstore
+from rollstream.schemas import Codec, CommonSettings, Event
+
+pytestmark = pytest.mark.integration
+
+codec = Codec()
+
+POISON = textwrap.dedent(
+    """
+    import sys
+    from rollstream.consumers import chstore
+    from rollstream.infra.migrations import apply_migrations
+
+    url, db, day, tokens = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    client = chstore.connect(url)
+    apply_migrations(client, db)
+    for token in tokens:  # a block in the batch's day partition, under the batch's token
+        client.command(
+            f"INSERT INTO {db}.events (event_id, rollout_id, ts, kafka_topic) "
+            f"SETTINGS insert_deduplication_token = '{token}' "
+            f"VALUES ('decoy', 'decoy', '{day} 12:00:00', 'decoy')"
+        )
+    client.command(
+        f"ALTER TABLE {db}.events DELETE WHERE event_id = 'decoy' SETTINGS mutations_sync = 2"
+    )
+    left = client.command(f"SELECT count() FROM {db}.events")
+    assert int(left) == 0, left
+    """
+)
+
+
+def test_a_poisoned_dedup_token_does_not_lose_the_batch(
+    kafka_settings: CommonSettings, tmp_path: Path
+) -> None:
+    topics = kafka_settings.topics()
+    record_rollouts(kafka_settings, tmp_path, 12)
+    messages = read_topic(kafka_settings, topics.events)
+    produced = {codec.decode(m.value(), expect=Event).event_id for m in messages}
+    days = {
+        datetime.fromtimestamp(codec.decode(m.value(), expect=Event).ts / 1e6, UTC).date()
+        for m in messages
+    }
+    assert len(produced) == 96 and len(days) == 1  # one day partition (not across midnight)
+    ends = ends_of(kafka_settings, [topics.events])
+    # the sink's first batch of each partition: every message it has (batches of 1000, cut by
+    # the flush timer once caught up), token topic:partition:first:last, per table ":events"
+    tokens = [f"{t}:{p}:0:{end - 1}:events" for (t, p), end in ends.items() if end]
+    assert len(tokens) > 1
+    sink = SinkProcess(kafka_settings, tmp_path, sink_batch_messages="1000",
+                       sink_flush_interval_s="0.2")  # fmt: skip
+    database = chstore.database_for(kafka_settings.namespace)
+    subprocess.run(
+        [sys.executable, "-c", POISON, f"chdb://{sink.chdb_path}", database,
+         str(days.pop()), *tokens],
+        check=True, timeout=120,
+    )  # fmt: skip
+    committed = Committed(kafka_settings)
+    try:
+        sink.start()
+        sink.wait_ready()
+        wait_committed(committed, ends, sink, 60)
+        with sink.client() as api:
+            stored: Any = api.query("SELECT event_id FROM events").column("event_id")
+            typed = api.query("SELECT count() FROM llm_calls").rows[0][0]
+    finally:
+        committed.close()
+        sink.stop()
+    assert len(stored) == len(set(stored))  # no duplicate either
+    assert set(stored) == produced, sink.log_tail()
+    assert typed == 24  # tables whose tokens were not poisoned are stored once too
