@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rollouts, args.rounds = 50, 3
     work = Workload(args.rollouts, args.calls, args.delta, args.completion)
+    load_start = os.getloadavg()[0]  # the box is shared: say how busy it was
     broker = None
     with tempfile.TemporaryDirectory(prefix="bench-sdk-") as tmp_name:
         tmp = Path(tmp_name)
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "completion_tokens": args.completion,
         "calls_per_rollout": args.calls,
         "rounds": args.rounds,
+        "load_avg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         **{k: v for k, v in results[0].items()},
     }
     if len(results) > 1:

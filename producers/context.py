@@ -18,9 +18,12 @@ slices with numpy (first mismatch via ``np.flatnonzero``), so it costs one vecto
 over the prompt plus one Python step per branch point, never a per-token Python loop. Edges
 store only the tokens a call added (copies of the new suffix), so memory is O(unique tokens),
 not O(calls x context). Fast path for the common case (the prompt extends the previous call's
-full sequence): the trie keeps that sequence in one growable buffer, checks the prompt against
-it with a single ``np.array_equal`` and resumes the walk at the previous call's node, so an
-append-only turn costs one compare plus O(new tokens), whatever the depth.
+full sequence): the trie keeps that sequence in one growable bytearray (with a numpy view for
+writes), checks the prompt against it with one ``bytearray.startswith`` over the prompt's own
+buffer (a memcmp: no copy, no boolean temporary; 2-3x faster than a numpy elementwise compare)
+and resumes the walk at the previous call's node; when that node is a leaf (an append-only
+conversation) the new call is just a new leaf below it. An append-only turn thus costs one
+memcmp plus O(new tokens), whatever the depth.
 
     ProducerError                    root of rollstream.producers (defined here, the lowest module)
     └── ContextError                 a call id reused, or an unknown call asked for (ValueError)
@@ -59,8 +62,9 @@ class ContextMatch(NamedTuple):
 
 
 def _tokens(value: Any) -> Tokens:
+    """A one-dimensional C-contiguous uint32 array (the array itself when it is one)."""
     if isinstance(value, np.ndarray) and value.dtype == _U32 and value.ndim == 1:
-        return value
+        return value if value.flags.c_contiguous else np.ascontiguousarray(value)
     if isinstance(value, bytes | bytearray | memoryview):
         return np.frombuffer(value, dtype=_U32)
     arr = np.asarray(value)
@@ -117,7 +121,8 @@ class ContextTrie:
         self._epoch = 0
         self._last_id: str | None = None
         self._last: _Node | None = None  # end node of the most recent call
-        self._buf = np.zeros(0, _U32)  # its full sequence in [:_buf_len], room to grow
+        self._buf = bytearray()  # its full sequence as uint32 bytes in [: 4 * _buf_len]
+        self._tokens = np.zeros(0, _U32)  # the same memory, as tokens
         self._buf_len = 0
 
     def __len__(self) -> int:
@@ -154,10 +159,11 @@ class ContextTrie:
 
     def _extends_last(self, prompt: Tokens) -> bool:
         n = self._buf_len
+        # prompt is C-contiguous (_tokens): startswith reads its memory in place (.data)
         return (
             self._last is not None
             and 0 < n <= len(prompt)
-            and bool((prompt[:n] == self._buf[:n]).all())
+            and self._buf.startswith(prompt[:n].data)
         )
 
     def _locate(self, prompt: Tokens) -> tuple[_Cursor, int, bool]:
@@ -170,16 +176,24 @@ class ContextTrie:
     def _remember(self, prompt: Tokens, completion: Tokens, extends: bool, end: _Node) -> None:
         """Keep the new call's full sequence in the buffer (append when it extends the last)."""
         start = self._buf_len if extends else 0
-        new = len(prompt) - start + len(completion)
-        total = start + new
-        if total > len(self._buf):
-            grown = np.empty(max(total, len(self._buf) * 3 // 2, 1024), _U32)
-            grown[:start] = self._buf[:start]
-            self._buf = grown
-        self._buf[start : len(prompt)] = prompt[start:]
-        self._buf[len(prompt) : total] = completion
-        self._buf_len = total
+        self._store(start, prompt[start:], completion)
         self._last = end
+
+    def _store(self, start: int, tokens: Tokens, more: Tokens | None = None) -> None:
+        """Write ``tokens`` (then ``more``) into the buffer from token ``start`` on. The buffer
+        doubles when full, so an append-only turn copies only its new tokens; what lies past
+        ``_buf_len`` is stale and never read."""
+        mid = start + len(tokens)
+        end = mid + (0 if more is None else len(more))
+        if end > len(self._tokens):  # the numpy view pins the bytearray: grow by replacing
+            grown = bytearray(4 * max(end, 2 * len(self._tokens), 1024))
+            view = np.frombuffer(grown, _U32)
+            view[:start] = self._tokens[:start]
+            self._buf, self._tokens = grown, view
+        self._tokens[start:mid] = tokens
+        if more is not None:
+            self._tokens[mid:end] = more
+        self._buf_len = end
 
     def match(self, prompt_ids: Any) -> ContextMatch:
         """The parent call and shared prefix for ``prompt_ids``, without recording anything."""
@@ -203,7 +217,14 @@ class ContextTrie:
             raise ContextError(f"call {call_id!r} is already recorded in this rollout")
         prompt = _tokens(prompt_ids)
         completion = _tokens(completion_ids)
-        cursor, pos, extends = self._locate(prompt)
+        last, n = self._last, self._buf_len
+        extends = self._extends_last(prompt)
+        if extends and last is not None:
+            if not last.children and (len(prompt) > n or len(completion)):
+                return self._append_leaf(call_id, prompt, completion)
+            cursor, pos = self._walk(prompt, (last, len(last.label)), n)
+        else:
+            cursor, pos = self._walk(prompt, (self._root, 0), 0)
         result = self._result(cursor, pos, prompt)
         fresh = len(completion) > 0  # concatenate makes a new array: no need to copy it again
         rest = np.concatenate((prompt[pos:], completion)) if fresh else prompt[pos:]
@@ -221,6 +242,24 @@ class ContextTrie:
         self._last_id = call_id
         self._remember(prompt, completion, extends, end)
         return result
+
+    def _append_leaf(self, call_id: str, prompt: Tokens, completion: Tokens) -> ContextMatch:
+        """The common case in a few steps: the prompt extends the previous call's full
+        sequence, which ends at a leaf, and adds tokens; the new call is one new leaf below it
+        (what the general path of ``add`` does, without walking, splitting or re-stamping)."""
+        last, n = self._last, self._buf_len
+        assert last is not None and last.depth == n
+        latest = self._last_id if last.epoch == self._epoch else last.latest_id
+        delta = prompt[n:]
+        rest = np.concatenate((delta, completion))
+        leaf = _Node(rest, last, n + len(rest))
+        leaf.epoch = self._epoch  # on the spine, below the previous call's node
+        last.children[int(rest[0])] = leaf
+        self._ends[call_id] = leaf
+        self._last_id = call_id
+        self._last = leaf
+        self._store(n, rest)
+        return ContextMatch(latest, n, delta)
 
     def add_delta(
         self,

@@ -291,6 +291,8 @@ class Delivery:
             return True
         if moved:
             self._active_at = now
+            if moved < _BATCH:  # queue drained: let events gather for a linger instead of
+                self.transport.poll(_LINGER_S)  # taking the GIL back per event (reports served)
         elif self._pending:
             self.transport.poll(0.005)
         else:

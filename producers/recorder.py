@@ -138,10 +138,6 @@ def _enum(cls: type[_E], value: Any) -> _E:
         raise RecorderUsageError(f"{value!r} is not a {cls.__name__} ({choices})") from exc
 
 
-def _now_us() -> int:
-    return time.time_ns() // 1000
-
-
 class Recorder:
     """Records rollouts to ``Topics(namespace).events``. Thread-safe; build one per process.
 
@@ -180,6 +176,9 @@ class Recorder:
             probe_interval_s=s.probe_interval_s,
             close_timeout_s=s.close_timeout_s,
         )
+        self._producer = s.producer
+        self._encode = self.codec.encode  # bound once: every event goes through these two
+        self._submit = self.delivery.submit
 
     def rollout(
         self,
@@ -209,15 +208,15 @@ class Recorder:
         )
         return RolloutHandle(self, rollout_id or _ulid(), started)
 
-    def _emit(self, rollout_id: str, seq: int, body: Body) -> str:
+    def _emit(self, rollout_id: str, key: bytes, seq: int, body: Body) -> str:
         event_id = _ulid()
-        ts = _now_us()
-        event = Event(event_id, rollout_id, seq, ts, body, producer=self.settings.producer)
+        ts = time.time_ns() // 1000
+        event = Event(event_id, rollout_id, seq, ts, body, self._producer)
         try:
-            value = self.codec.encode(event)
+            value = self._encode(event)
         except EncodeError as exc:  # a field of the wrong type: the caller's bug, said here
             raise RecorderUsageError(f"cannot encode {type(body).__name__}: {exc}") from exc
-        self.delivery.submit(self.topic, rollout_id.encode(), value, ts // 1000)
+        self._submit(self.topic, key, value, ts // 1000)
         return event_id
 
     @property
@@ -245,6 +244,7 @@ class RolloutHandle:
     def __init__(self, recorder: Recorder, rollout_id: str, started: RolloutStarted) -> None:
         self.recorder = recorder
         self.rollout_id = rollout_id
+        self._key = rollout_id.encode()  # the Kafka key of every event of the rollout
         self.task_id = started.task_id
         self.group_id = started.group_id
         self.policy_version = started.policy_version
@@ -265,7 +265,7 @@ class RolloutHandle:
 
     def _emit(self, body: Body) -> str:
         # caller holds self._lock or is the constructor
-        event_id = self.recorder._emit(self.rollout_id, self._seq, body)
+        event_id = self.recorder._emit(self.rollout_id, self._key, self._seq, body)
         self._seq += 1
         return event_id
 
@@ -299,7 +299,8 @@ class RolloutHandle:
             )
         call_id = call_id or _ulid()
         with self._lock:
-            self._check_open("llm_call")
+            if self.status is not None:
+                self._check_open("llm_call")
             match = self.context.add(call_id, prompt_ids, completion)
             prompt_len = match.prefix_len + len(match.prompt_delta)
             body = LlmCall(

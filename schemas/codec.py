@@ -211,7 +211,7 @@ class Codec:
         self._registry_writers: dict[int, _Schema] = {}
         # a writer schema other than the reader (used to produce old/new versions in tests)
         self._writers: dict[str, _Schema] = {}
-        self._compiled: dict[str, tuple[bytes, Writer]] = {}
+        self._compiled: dict[str, Writer] = {}  # writes the header, then the body
         # header bytes (C3 01 + fingerprint, or 00 + registry id) -> compiled reader, for the
         # writer schemas that are their reader schema; None: use fastavro's resolution
         self._fast: dict[bytes, tuple[int, str, type[Any], Reader] | None] = {}
@@ -231,17 +231,15 @@ class Codec:
             raise EncodeError(f"not a top-level rollstream record: {type(record).__name__}")
         if self.registry is not None or name in self._writers:
             return self.encode_dict(name, record.to_avro())
-        compiled = self._compiled.get(name)
-        if compiled is None:
+        write = self._compiled.get(name)
+        if write is None:
             schema = self.schemas.reader(name)
-            compiled = (
-                SINGLE_OBJECT_MAGIC + schema.fingerprint,
-                compile_writer(schema.json, _RECORD_CLASSES),
+            header = SINGLE_OBJECT_MAGIC + schema.fingerprint
+            write = self._compiled[name] = compile_writer(
+                schema.json, _RECORD_CLASSES, prefix=header
             )
-            self._compiled[name] = compiled
-        header, write = compiled
         try:
-            return header + write(record)
+            return write(record)
         except Exception as exc:  # a value that does not fit its field
             raise EncodeError(f"{name}: {type(exc).__name__}: {exc}") from exc
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import struct
 import threading
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import fastavro
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -45,6 +47,7 @@ from rollstream.schemas import (
 )
 from rollstream.schemas.codec import _RECORD_CLASSES
 from rollstream.schemas.fastread import ReadError, compile_reader
+from rollstream.schemas.fastwrite import compile_writer
 
 text = st.text(max_size=20)
 opt_text = st.none() | text
@@ -557,3 +560,53 @@ def test_compile_reader_on_a_plain_dataclass_and_what_it_refuses() -> None:
         compile_reader({**schema, "fields": [*schema["fields"], bad_name]}, {"t.Point": _Point})
     with pytest.raises(TypeError, match="logical types"):
         compile_reader({"type": "long", "logicalType": "timestamp-millis"}, {})
+
+
+def test_compiled_writer_takes_any_array_layout_and_bytes_like_values() -> None:
+    """Packed arrays go in from their own buffer when C-contiguous, else through a copy; either
+    way the bytes are fastavro's (which gets ``tobytes()``)."""
+    wide = np.arange(40, dtype="<u4")
+    cases = [
+        (wide[::2], wide[1::2], np.linspace(-1, 0, 20, dtype="<f4")),  # strided views
+        (wide[5:25], wide[:0], np.zeros(0, "<f4")),  # a slice, empty arrays
+        (wide.reshape(4, 10)[:, 2], wide[:3], np.full(3, -0.5, "<f4")),  # a column
+    ]
+    for prompt, completion, logprobs in cases:
+        call = LlmCall("c", None, 3, prompt, completion, logprobs, usage=Usage(1, 2, 3))
+        ev = Event("e", "r", 1, 2**50 + 3, call, producer="p")
+        assert CODEC.encode(ev) == CODEC.encode_dict("rollstream.Event", ev.to_avro())
+        assert CODEC.decode(CODEC.encode(ev)) == ev
+
+    @dataclasses.dataclass
+    class Blob:
+        data: Any
+        more: Any
+
+    schema = {
+        "type": "record", "name": "Blob", "namespace": "t",
+        "fields": [{"name": "data", "type": "bytes"}, {"name": "more", "type": "bytes"}],
+    }  # fmt: skip
+    write = compile_writer(schema, {"t.Blob": Blob}, prefix=b"HD")
+    parsed = fastavro.parse_schema(schema)
+    for data, more in [
+        (b"abc", bytearray(b"\x00" * 300)),
+        (memoryview(b"xyz" * 7000), np.arange(6, dtype=">u4")),  # big-endian: its raw bytes
+        (np.arange(12, dtype="<i8").reshape(3, 4), np.arange(12, dtype="<u4").reshape(3, 4).T),
+    ]:
+        expect = io.BytesIO()
+        fastavro.schemaless_writer(expect, parsed, {"data": _raw(data), "more": _raw(more)})
+        assert write(Blob(data, more)) == b"HD" + expect.getvalue()
+
+
+def _raw(value: Any) -> bytes:
+    return value.tobytes() if isinstance(value, np.ndarray) else bytes(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, 1, -1, 63, -64, 64, 8191, -8192, 8192, 16383, 16384, -16385, 2**31 - 1, -(2**31),
+     2**42 + 12345, 1_764_448_000_123_456, 2**63 - 1, -(2**63)],
+)  # fmt: skip
+def test_compiled_writer_longs_match_fastavro(value: int) -> None:
+    ev = Event("e", "r", value, value, RolloutFinished(RolloutStatus.COMPLETED), schema_version=7)
+    assert CODEC.encode(ev) == CODEC.encode_dict("rollstream.Event", ev.to_avro())

@@ -221,3 +221,37 @@ def test_mixed_appends_and_rewinds_match_brute_force() -> None:
             calls.append((f"c{i}", np.concatenate((prompt, completion))))
         for cid, seq in calls:
             assert np.array_equal(trie.sequence(cid), seq)
+
+
+def test_strided_and_reused_caller_arrays() -> None:
+    """A harness may pass strided views and reuse (overwrite) its own buffers between calls:
+    the trie reads them as values and keeps its own copies."""
+    rng = np.random.default_rng(11)
+    convo = rng.integers(0, 50_000, 30_000, dtype=U32)
+    wide = np.zeros(2 * len(convo), U32)
+    wide[::2] = convo  # convo as a strided view: wide[::2]
+    scratch = np.zeros(len(convo), U32)  # one buffer the harness refills for every call
+    plain, odd = ContextTrie(), ContextTrie()
+    step = 1_000
+    for i in range(25):
+        end = (i + 1) * step
+        prompt, completion = convo[: end - 100], convo[end - 100 : end]
+        scratch[: end - 100] = prompt
+        mine = completion.copy()
+        a = plain.add(f"c{i}", scratch[: end - 100], mine)
+        b = odd.add(f"c{i}", wide[: 2 * (end - 100) : 2], wide[2 * (end - 100) : 2 * end : 2])
+        assert (a.parent_call_id, a.prefix_len) == (b.parent_call_id, b.prefix_len)
+        assert a.prefix_len == (end - step if i else 0)
+        assert np.array_equal(a.prompt_delta, prompt[a.prefix_len :])
+        assert np.array_equal(b.prompt_delta, prompt[b.prefix_len :])
+        scratch[:] = 7  # the harness reuses its buffers: nothing recorded may change
+        mine[:] = 7
+    for i in range(25):
+        expect = convo[: (i + 1) * step]
+        assert np.array_equal(plain.sequence(f"c{i}"), expect)
+        assert np.array_equal(odd.sequence(f"c{i}"), expect)
+    # a changed token far inside the last sequence is a rewind, found despite the fast path
+    edited = convo[: 25 * step].copy()
+    edited[12_345] += 1
+    m = plain.match(edited)
+    assert (m.parent_call_id, m.prefix_len) == ("c24", 12_345)
