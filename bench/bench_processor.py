@@ -11,14 +11,16 @@ Phases, in one worker:
    start-up, not the producer's);
 2. latency: a steady ``--rate`` LlmCall/s for ``--seconds``, the rollouts of a group
    interleaved; per group, from the produce time of its last RolloutFinished (the event that
-   closes it) to the arrival of its samples on the samples topic (a consumer in this process),
-   p50 / p99 / max;
+   closes it) to the arrival of its first sample on the samples topic (a polling consumer in
+   this process), p50 / p99 / max; split at that sample's CreateTime into ``worker_ms_*`` (to
+   the worker's send call) and ``delivery_ms_*`` (from there to the consumer); ``--trace``
+   writes each group's times;
 3. throughput: a backlog of ``--backlog`` rollouts produced as fast as possible; events/s and
    tokens/s (prompt delta + completion tokens carried by the events) from the first produce to
    the last sample, and per CPU-second of the worker process (the machine is shared).
 
     .venv/bin/python bench/bench_processor.py [--quick] [--bootstrap HOST:PORT]
-        [--worker-env ROLLSTREAM_PROC_...=VALUE ...]
+        [--worker-env ROLLSTREAM_PROC_...=VALUE ...] [--trace FILE]
 
 Starts its own KafkaBroker unless --bootstrap. Progress on stderr; the last stdout line is one
 JSON object with the figures.
@@ -53,7 +55,6 @@ from rollstream.schemas import (
     Reward,
     RolloutFinished,
     RolloutStarted,
-    Sample,
 )
 
 codec = Codec()
@@ -102,10 +103,18 @@ class Workload:
 
 
 class SampleReader:
-    """Arrival time of the first sample of each group (a background consumer)."""
+    """Arrival time of the first sample of each group (a background consumer).
+
+    ``poll`` returns as soon as a record is there (``consume(n, timeout)`` waits for n records
+    or the whole timeout, which added 0-50 ms to every arrival); the group comes from the
+    record key (samples are keyed by group_id), so nothing is decoded on the measuring thread.
+    ``created`` keeps the first sample's CreateTime (the worker's send call, ms) to split the
+    latency into the worker's part and the delivery to this consumer."""
 
     def __init__(self, settings: CommonSettings) -> None:
         self.first: dict[str, float] = {}
+        self.created: dict[str, float] = {}  # group -> first sample's CreateTime (wall s)
+        self.first_wall: dict[str, float] = {}
         self.samples = 0
         self._stop = threading.Event()
         self._consumer = Consumer(
@@ -123,14 +132,18 @@ class SampleReader:
         self._thread.start()
 
     def _run(self) -> None:
+        poll = self._consumer.poll
         while not self._stop.is_set():
-            for msg in self._consumer.consume(1000, 0.05):
-                if msg.error():
-                    continue
-                now = time.monotonic()
-                group = codec.decode(msg.value(), expect=Sample).group_id
-                self.first.setdefault(group, now)
-                self.samples += 1
+            msg = poll(0.05)
+            if msg is None or msg.error():
+                continue
+            now, wall = time.monotonic(), time.time()
+            group = (msg.key() or b"").decode()
+            if group not in self.first:
+                self.first[group] = now
+                self.first_wall[group] = wall
+                self.created[group] = msg.timestamp()[1] / 1000
+            self.samples += 1
 
     def wait(self, groups: list[str], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -202,6 +215,7 @@ def run(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict[str, Any]:
         plan = [work.group_events(f"lat{g}", 0) for g in range(groups)]
         per_call = 1.0 / args.rate
         finish_at: dict[str, float] = {}
+        finish_wall: dict[str, float] = {}
         left: dict[str, int] = {f"lat{g}": args.group for g in range(groups)}
         cpu0, t0 = cpu_seconds(worker.pid), time.monotonic()
         due = t0
@@ -222,14 +236,28 @@ def run(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict[str, Any]:
                 left[gid] -= 1
                 if left[gid] == 0:  # the event that closes the group: its produce time
                     finish_at[gid] = time.monotonic()
+                    finish_wall[gid] = time.time()
             producer.produce(topic, key=e.rollout_id.encode(), value=value)
             producer.poll(0)
         producer.flush(30)
         sent_s = time.monotonic() - t0
         ok = reader.wait(list(finish_at), 60)
-        latencies = sorted(
-            (reader.first[g] - finish_at[g]) * 1000 for g in finish_at if g in reader.first
-        )
+        arrived = [g for g in finish_at if g in reader.first]
+        latencies = sorted((reader.first[g] - finish_at[g]) * 1000 for g in arrived)
+        # the split, on the wall clock (one machine): to the worker's send of the first sample
+        # (its CreateTime, ms), and from there to this consumer
+        worker_ms = [(reader.created[g] - finish_wall[g]) * 1000 for g in arrived]
+        delivery_ms = [(reader.first_wall[g] - reader.created[g]) * 1000 for g in arrived]
+        if args.trace:
+            with open(args.trace, "w") as f:
+                for g in arrived:
+                    row = {
+                        "group": g,
+                        "finish": finish_wall[g],
+                        "created": reader.created[g],
+                        "arrived": reader.first_wall[g],
+                    }
+                    f.write(json.dumps(row) + "\n")
         out.update(
             latency_groups=len(latencies),
             latency_missing=len(finish_at) - len(latencies),
@@ -237,6 +265,10 @@ def run(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict[str, Any]:
             latency_ms_p50=round(float(np.percentile(latencies, 50)), 1),
             latency_ms_p99=round(float(np.percentile(latencies, 99)), 1),
             latency_ms_max=round(latencies[-1], 1),
+            worker_ms_p50=round(float(np.percentile(worker_ms, 50)), 1),
+            worker_ms_p99=round(float(np.percentile(worker_ms, 99)), 1),
+            delivery_ms_p50=round(float(np.percentile(delivery_ms, 50)), 1),
+            delivery_ms_p99=round(float(np.percentile(delivery_ms, 99)), 1),
             steady_worker_cpu_frac=round((cpu_seconds(worker.pid) - cpu0) / sent_s, 3),
         )
         log(f"steady: {out}")
@@ -299,6 +331,7 @@ def main() -> int:
     p.add_argument("--delta", type=int, default=200)
     p.add_argument("--completion", type=int, default=100)
     p.add_argument("--group", type=int, default=4)
+    p.add_argument("--trace", default=None, help="write per-group times (JSON lines) here")
     p.add_argument(
         "--worker-env",
         action="append",

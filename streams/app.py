@@ -25,6 +25,7 @@ Kafka transactions. Any unexpected exception stops the worker (a restart recover
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Mapping
@@ -57,6 +58,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_NEVER = 1 << 62  # a record count faust's inline commit never reaches
 
 
 class ProcessorError(Exception):
@@ -183,6 +186,10 @@ class Processor:
             broker_heartbeat_interval=s.proc_heartbeat_interval_s,
             broker_rebalance_timeout=s.proc_rebalance_timeout_s,
             broker_commit_interval=s.proc_commit_interval_s,
+            # commits on the timer only: faust also commits every 10,000 records from inside its
+            # delivery loop, which then stops handing records to the agents until the producer
+            # is flushed and the offsets are committed (a stall of every record in flight)
+            broker_commit_every=_NEVER,
             broker_request_timeout=s.proc_request_timeout_s,
             stream_wait_empty=False,
             stream_buffer_maxsize=s.proc_stream_buffer_maxsize,
@@ -253,6 +260,7 @@ class Processor:
         consumer._add_gap = _no_gap
         self._last_stats = time.monotonic()
         self._deferred: set[asyncio.Future[None]] = set()  # writes waiting for acks
+        self._frozen = False  # gc.freeze() done (after the first recovery)
         self._wire(events, trajectories)
 
     # --- faust wiring -----------------------------------------------------------------------
@@ -398,6 +406,9 @@ class Processor:
             for step in steps:
                 await self._execute(step, table)
             self._recovered[name] = True
+            if all(self._recovered.values()) and not self._frozen:
+                _freeze_heap()
+                self._frozen = True
             log.info(
                 "%s: rebuilt %d open, %d closed in %.2fs for partitions %s (%d steps)",
                 name,
@@ -476,6 +487,28 @@ class Processor:
         }
 
 
+def _freeze_heap() -> None:
+    """Move everything alive after start-up (faust, mode, aiokafka, the books as recovered) out
+    of the collector's reach: a full collection scanned them all, 50-100 ms with the worker
+    stopped (measured on the shared box), often enough to set the latency tail. Objects made
+    later are collected as usual; frozen ones are still freed when their count drops."""
+    gc.collect()
+    gc.freeze()
+
+
+def _use_event_loop(kind: str) -> str:
+    """uvloop (a dependency through uvicorn[standard]) for the worker's loops, the main one and
+    faust's consumer thread's, unless asked for asyncio's or uvloop is missing."""
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed: running on asyncio's event loop")
+            return "asyncio"
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return kind
+
+
 def create_processor(
     settings: ProcessorSettings, partitions: Mapping[str, int] | None = None
 ) -> Processor:
@@ -491,6 +524,7 @@ def run(settings: ProcessorSettings) -> int:
     from rollstream.infra.topics import ensure_topics  # the topic manager (I/O edge)
 
     ensure_topics(settings)
+    _use_event_loop(settings.proc_event_loop)  # before faust makes its loops
     processor = create_processor(settings)
     ensure_topics(settings, processor.internal_topics)
     worker = faust.Worker(

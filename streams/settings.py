@@ -49,6 +49,7 @@ class ProcessorSettings(CommonSettings):
     # shell
     proc_timer_interval_s: float = 1.0  # how often timeouts and evictions run
     proc_log_level: str = "info"
+    proc_event_loop: Literal["uvloop", "asyncio"] = "uvloop"  # asyncio if uvloop is missing
     proc_stats_interval_s: float = 30.0  # counters in the log this often (0: never)
     # faust / aiokafka tuning (docs/processors.md says why)
     proc_session_timeout_s: float = 6.0
