@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .codegen import CodeGen, full_name
 from .events import _Record
 
 __all__ = ["ReadError", "Reader", "compile_reader"]
@@ -79,16 +80,11 @@ def _bad_count(count: int, pos: int, size: int) -> ReadError:
     return ReadError(f"truncated: block of {count} items at byte {pos}, {size - pos} bytes left")
 
 
-def _full_name(name: str, namespace: str) -> str:
-    return name if "." in name or not namespace else f"{namespace}.{name}"
-
-
-class _Compiler:
+class _Compiler(CodeGen):
     """Generates the source of one function per named record and execs it once."""
 
     def __init__(self, classes: dict[str, type]) -> None:
-        self.classes = classes
-        self.env: dict[str, Any] = {
+        env: dict[str, Any] = {
             "_tail": _tail,
             "_bad_length": _bad_length,
             "_bad_index": _bad_index,
@@ -97,20 +93,9 @@ class _Compiler:
             "_unpack_d": struct.Struct("<d").unpack_from,
             "_unpack_f": struct.Struct("<f").unpack_from,
         }
-        self.records: dict[str, str] = {}  # full name -> function name
+        super().__init__(classes, env)
         self.enums: dict[str, list[str]] = {}  # full name -> symbols
         self.fixed: dict[str, int] = {}  # full name -> size
-        self.sources: list[str] = []
-        self._temp = 0
-
-    def _const(self, value: Any, hint: str) -> str:
-        name = f"_k{len(self.env)}_{hint}"
-        self.env[name] = value
-        return name
-
-    def _var(self, hint: str) -> str:
-        self._temp += 1
-        return f"{hint}{self._temp}"
 
     # --- schema walking -------------------------------------------------------------------
 
@@ -124,10 +109,10 @@ class _Compiler:
             if kind == "record":
                 self._record(schema, namespace)
             elif kind == "enum":
-                full = _full_name(schema["name"], schema.get("namespace", namespace))
+                full = full_name(schema["name"], schema.get("namespace", namespace))
                 self.enums[full] = list(schema["symbols"])
             elif kind == "fixed":
-                full = _full_name(schema["name"], schema.get("namespace", namespace))
+                full = full_name(schema["name"], schema.get("namespace", namespace))
                 self.fixed[full] = int(schema["size"])
         return schema
 
@@ -167,7 +152,7 @@ class _Compiler:
         if isinstance(schema, dict):
             kind = schema["type"]
             if kind in ("record", "enum", "fixed"):
-                name = _full_name(schema["name"], schema.get("namespace", namespace))
+                name = full_name(schema["name"], schema.get("namespace", namespace))
                 self._named(name, out, ind, target)
             elif kind == "array":
                 self._array(schema["items"], namespace, out, ind, target)
@@ -181,7 +166,7 @@ class _Compiler:
         if not isinstance(schema, str):
             raise TypeError(f"unsupported schema: {schema!r}")
         if schema not in _PRIMITIVES:
-            self._named(_full_name(schema, namespace), out, ind, target)
+            self._named(full_name(schema, namespace), out, ind, target)
         elif schema == "null":
             out.append(f"{ind}{target} = None")
         elif schema == "boolean":
@@ -283,7 +268,7 @@ class _Compiler:
         out.append(f"{ind}{target} = {acc}")
 
     def _record(self, schema: dict[str, Any], namespace: str) -> None:
-        full = _full_name(schema["name"], schema.get("namespace", namespace))
+        full = full_name(schema["name"], schema.get("namespace", namespace))
         if full in self.records:
             raise TypeError(f"record {full} defined twice")
         cls = self.classes.get(full)
@@ -336,7 +321,7 @@ class _Compiler:
     def _is_enum(self, ftype: Any, namespace: str) -> bool:
         if isinstance(ftype, dict) and ftype.get("type") == "enum":
             return True
-        return isinstance(ftype, str) and _full_name(ftype, namespace) in self.enums
+        return isinstance(ftype, str) and full_name(ftype, namespace) in self.enums
 
     def _enum_field(
         self, ftype: Any, namespace: str, enum_type: type, out: list[str], ind: str, target: str
@@ -345,9 +330,9 @@ class _Compiler:
         does not know is a compile error, as it would fail every decode)."""
         self._define(ftype, namespace)
         name = (
-            _full_name(ftype["name"], ftype.get("namespace", namespace))
+            full_name(ftype["name"], ftype.get("namespace", namespace))
             if isinstance(ftype, dict)
-            else _full_name(ftype, namespace)
+            else full_name(ftype, namespace)
         )
         symbols = self.enums[name]
         try:
@@ -393,7 +378,7 @@ def _may_be_empty(compiler: _Compiler, schema: Any, namespace: str) -> bool:
     if isinstance(schema, dict):
         kind = schema["type"]
         if kind == "record":
-            ns = _full_name(schema["name"], schema.get("namespace", namespace)).rpartition(".")[0]
+            ns = full_name(schema["name"], schema.get("namespace", namespace)).rpartition(".")[0]
             return all(_may_be_empty(compiler, f["type"], ns) for f in schema["fields"])
         if kind == "fixed":
             return int(schema["size"]) == 0
@@ -402,7 +387,7 @@ def _may_be_empty(compiler: _Compiler, schema: Any, namespace: str) -> bool:
         return False
     if schema == "null":
         return True
-    full = _full_name(schema, namespace)
+    full = full_name(schema, namespace)
     return compiler.fixed.get(full, 1) == 0
 
 

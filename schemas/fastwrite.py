@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .codegen import CodeGen, full_name
+
 __all__ = ["Writer", "compile_writer"]
 
 Writer = Callable[[Any], bytes]
@@ -51,16 +53,11 @@ def _varint(n: int) -> bytes:
     return out + _RAW[n]
 
 
-def _full_name(name: str, namespace: str) -> str:
-    return name if "." in name or not namespace else f"{namespace}.{name}"
-
-
-class _Compiler:
+class _Compiler(CodeGen):
     """Generates the source of one function ``(buf, v)`` per named record and execs it once."""
 
     def __init__(self, classes: dict[str, type]) -> None:
-        self.classes = classes
-        self.env: dict[str, Any] = {
+        env: dict[str, Any] = {
             "_L": _SMALL_LONGS,
             "_S": _SMALL,
             "_V": _varint,
@@ -70,20 +67,9 @@ class _Compiler:
             "_memoryview": memoryview,
             "_Enum": Enum,
         }
-        self.records: dict[str, str] = {}  # full name -> function name
+        super().__init__(classes, env)
         self.enums: dict[str, str] = {}  # full name -> name of its symbol -> index dict
-        self.sources: list[str] = []
         self.unions: list[dict[type, Any]] = []  # class -> (tag, function name until exec)
-        self._temp = 0
-
-    def _const(self, value: Any, hint: str) -> str:
-        name = f"_k{len(self.env)}_{hint}"
-        self.env[name] = value
-        return name
-
-    def _var(self, hint: str) -> str:
-        self._temp += 1
-        return f"{hint}{self._temp}"
 
     def _define(self, schema: Any, namespace: str) -> None:
         """Register the named types defined inline in ``schema`` (records compile on sight)."""
@@ -93,7 +79,7 @@ class _Compiler:
         if kind == "record":
             self._record(schema, namespace)
         elif kind == "enum":
-            full = _full_name(schema["name"], schema.get("namespace", namespace))
+            full = full_name(schema["name"], schema.get("namespace", namespace))
             index = {s: i for i, s in enumerate(schema["symbols"])}
             self.enums[full] = self._const(index, "enum")
 
@@ -113,7 +99,7 @@ class _Compiler:
         if isinstance(schema, dict):
             kind = schema["type"]
             if kind in ("record", "enum"):
-                full = _full_name(schema["name"], schema.get("namespace", namespace))
+                full = full_name(schema["name"], schema.get("namespace", namespace))
                 self._named(full, out, ind, x)
             elif kind == "array":
                 self._array(schema["items"], namespace, out, ind, x)
@@ -122,14 +108,14 @@ class _Compiler:
             elif kind in _PRIMITIVES or isinstance(kind, dict | list):
                 self._emit(kind, namespace, out, ind, x)
             elif isinstance(kind, str):  # {"type": "rollstream.Usage"}
-                self._named(_full_name(kind, namespace), out, ind, x)
+                self._named(full_name(kind, namespace), out, ind, x)
             else:
                 raise TypeError(f"unsupported schema: {schema!r}")
             return
         if not isinstance(schema, str):
             raise TypeError(f"unsupported schema: {schema!r}")
         if schema not in _PRIMITIVES:
-            self._named(_full_name(schema, namespace), out, ind, x)
+            self._named(full_name(schema, namespace), out, ind, x)
         elif schema == "null":
             pass
         elif schema == "boolean":
@@ -190,9 +176,9 @@ class _Compiler:
         for i, b in enumerate(branches):
             self._define(b, namespace)
             if isinstance(b, str):
-                full: str | None = b if b in _PRIMITIVES else _full_name(b, namespace)
+                full: str | None = b if b in _PRIMITIVES else full_name(b, namespace)
             elif isinstance(b, dict) and "name" in b:
-                full = _full_name(b["name"], b.get("namespace", namespace))
+                full = full_name(b["name"], b.get("namespace", namespace))
             else:
                 full = None
             cls = self.classes.get(full) if full else None
@@ -226,7 +212,7 @@ class _Compiler:
         out.append(f"{ind}buf.append(0)")
 
     def _record(self, schema: dict[str, Any], namespace: str) -> str:
-        full = _full_name(schema["name"], schema.get("namespace", namespace))
+        full = full_name(schema["name"], schema.get("namespace", namespace))
         if full in self.records:
             return self.records[full]
         func = f"_w_{full.replace('.', '_')}_{len(self.records)}"
