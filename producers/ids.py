@@ -5,8 +5,9 @@ monotonic within a process: in the same millisecond the next id is the last one'
 + 1, as ulid-py's monotonic factory does, so ids made in order sort in order. The time part is
 encoded once per millisecond; random bits come from ``os.urandom`` 512 ids at a time (a
 getrandom call per id cost more than all the rest) and are encoded by base64's base32
-translated to Crockford's alphabet. A forked child forgets the last id and the random pool, so
-parent and child never hand out the same ids.
+translated to Crockford's alphabet; the next id in the same millisecond only changes the last
+character, unless the increment carries into the one before it. A forked child forgets the last
+id and the random pool, so parent and child never hand out the same ids.
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ class _UlidSource:
         self._lock = threading.Lock()  # a lock held by another thread at fork time stays held
         self._ms, self._rand, self._prefix = -1, 0, ""
         self._pool, self._pos = b"", 0
+        self._last = ""  # the last id handed out
 
     def __call__(self) -> str:
         ms = time.time_ns() // 1_000_000
         with self._lock:
             if ms <= self._ms:  # same ms (or the clock went back): the next id
                 rand = self._rand = (self._rand + 1) & _RAND_MASK
+                if rand & 31:  # no carry out of the last base32 digit: only it changes
+                    last = self._last = self._last[:-1] + _CROCKFORD[rand & 31]
+                    return last
             else:
                 if self._pos >= len(self._pool):
                     self._pool, self._pos = os.urandom(10 * _POOL_IDS), 0
@@ -48,8 +53,10 @@ class _UlidSource:
                 rand = self._rand = int.from_bytes(self._pool[pos : pos + 10])
                 self._ms = ms
                 self._prefix = "".join(_CROCKFORD[(ms >> s) & 31] for s in range(45, -1, -5))
-            prefix = self._prefix
-        return prefix + base64.b32encode(rand.to_bytes(10)).translate(_TO_CROCKFORD).decode()
+            last = self._last = (
+                self._prefix + base64.b32encode(rand.to_bytes(10)).translate(_TO_CROCKFORD).decode()
+            )
+        return last
 
 
 new_ulid = _UlidSource()

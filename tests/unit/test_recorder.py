@@ -448,3 +448,19 @@ def test_ulids_are_unique_across_threads_and_a_fork() -> None:
     os.close(write)
     theirs = os.read(read, 1 << 16).decode().split(",")
     assert len(theirs) == 200 and not set(theirs) & set(mine)
+
+
+def test_ulids_in_one_millisecond_count_up_by_one_and_carry() -> None:
+    from rollstream.producers.ids import new_ulid
+
+    ids = [new_ulid() for _ in range(20_000)]
+    values = [int(ULID.from_str(i)) for i in ids]
+    assert all(str(ULID.from_str(i)) == i for i in ids)
+    same_ms = [
+        (a, b)
+        for a, b, x, y in zip(values, values[1:], ids, ids[1:], strict=False)
+        if x[:10] == y[:10]
+    ]
+    assert len(same_ms) > 1000 and all(b == a + 1 for a, b in same_ms)
+    assert any(b & 31 == 0 for _, b in same_ms)  # the increment carried past the last digit
+    assert values == sorted(values) and len(set(ids)) == len(ids)
