@@ -587,7 +587,7 @@ class Sink:
                 elif one.tables:
                     offset = _offset(msg)
                     tables = chstore.arrow_tables(one.tables, one.token)
-                    self._insert_verified(batch, offset, offset, tables)
+                    self._insert_verified(batch, offset, offset, tables, one.token)
             except chstore.InsertError as err:
                 if err.retryable:
                     raise
@@ -598,28 +598,40 @@ class Sink:
             self._insert_arrow(chstore.arrow_tables(rows.tables, rows.token), rows.token)
 
     def _insert_verified(
-        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any]
+        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any], token: str = ""
     ) -> bool:
-        """Insert the rows of offsets ``first..last`` of the batch's partition that no table
-        holds yet, under a fresh token. Returns whether any of them was stored already."""
-        present: dict[str, set[int]] = {}
-        for name in tables:
-            present[name] = self._retrying(
+        """Store the rows of offsets ``first..last`` of the batch's partition (``token``: their
+        dedup token, the batch's by default) without trusting the token. Nothing stored yet:
+        all rows under a fresh token. Some stored: the rows again under their own token
+        (ClickHouse drops what it holds, and the materialized views see every row, as on any
+        retry), then what is still missing — a poisoned token's rows — under a fresh one.
+        Returns whether any row was stored already."""
+        token = token or batch.token
+        fresh = sink_verify.fresh_token(token)
+        self.stats.verified_batches += 1
+        present = self._present(batch, first, last, tables)
+        stored = sum(len(v) for v in present.values())
+        if stored:
+            self.stats.verified_rows_present += stored
+            self._insert_arrow(tables, token)
+            tables = sink_verify.missing_rows(tables, self._present(batch, first, last, tables))
+        if tables:
+            self._insert_arrow(tables, fresh)
+        log.debug("verified %s[%d..%d]: %d rows stored already", token, first, last, stored)
+        return stored > 0
+
+    def _present(
+        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any]
+    ) -> dict[str, set[int]]:
+        return {
+            name: self._retrying(
                 f"verify of {batch.token}",
                 lambda name=name: sink_verify.present_offsets(
                     self._client, self.database, name, batch.topic, batch.partition, first, last
                 ),
             )
-        missing = sink_verify.missing_rows(tables, present)
-        self.stats.verified_batches += 1
-        stored = sum(t.num_rows for t in tables.values()) - sum(
-            t.num_rows for t in missing.values()
-        )
-        self.stats.verified_rows_present += stored
-        if missing:
-            self._insert_arrow(missing, sink_verify.fresh_token(batch.token))
-        log.debug("verified %s[%d..%d]: %d rows stored already", batch.token, first, last, stored)
-        return stored > 0
+            for name in tables
+        }
 
     def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with backoff on a transport failure (QueryError) for
