@@ -38,10 +38,11 @@ from the committed offsets and builds the same batches (same rules, same intents
 
 Tokens alone do not make a retry safe: a process killed inside an insert can leave the token in
 ClickHouse's deduplication log without the rows, and the retry is then dropped. So after each
-assignment the batches of a partition are *verified* until the first one of which nothing is
-stored: only the rows whose offsets are missing are inserted, under a fresh token
-(sink_verify.py). A clean stop
-stores the caught-up partial batches (with intents) and leaves the rest to be read again.
+assignment the batches of a partition are *verified* against the tables until the first one of
+which nothing is stored; rows still missing go in under a fresh token (sink_verify.py).
+
+A clean stop stores the caught-up partial batches (with intents) and leaves the rest to be read
+again.
 
 Errors::
 
@@ -607,7 +608,6 @@ class Sink:
         retry), then what is still missing — a poisoned token's rows — under a fresh one.
         Returns whether any row was stored already."""
         token = token or batch.token
-        fresh = sink_verify.fresh_token(token)
         self.stats.verified_batches += 1
         present = self._present(batch, first, last, tables)
         stored = sum(len(v) for v in present.values())
@@ -616,7 +616,7 @@ class Sink:
             self._insert_arrow(tables, token)
             tables = sink_verify.missing_rows(tables, self._present(batch, first, last, tables))
         if tables:
-            self._insert_arrow(tables, fresh)
+            self._insert_arrow(tables, sink_verify.fresh_token(token))
         log.debug("verified %s[%d..%d]: %d rows stored already", token, first, last, stored)
         return stored > 0
 
@@ -634,39 +634,32 @@ class Sink:
         }
 
     def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, retried with backoff on a transport failure (QueryError) for
-        ``sink_insert_retry_s``."""
+        """``fn()``, retried with backoff for ``sink_insert_retry_s`` on a transport failure (a
+        QueryError, or a retryable InsertError); a rejected insert is raised at once."""
         deadline = time.monotonic() + self.settings.sink_insert_retry_s
         delay = 0.2
         while True:
             try:
                 return fn()
-            except chstore.QueryError as exc:
+            except (chstore.QueryError, chstore.InsertError) as exc:
+                if isinstance(exc, chstore.InsertError) and not exc.retryable:
+                    raise
                 if time.monotonic() + delay > deadline:
                     raise InsertRetryError(f"{what} kept failing: {exc}") from exc
+                self.stats.insert_retries += 1
                 log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
     def _insert_arrow(self, tables: dict[str, Any], token: str) -> None:
         """Insert with the batch's token; a retryable failure is retried with backoff."""
-        if not tables:
-            return
-        deadline = time.monotonic() + self.settings.sink_insert_retry_s
-        delay = 0.2
-        while True:
-            try:
-                chstore.insert_arrow_tables(self._client, tables, token, database=self.database)
-                return
-            except chstore.InsertError as exc:
-                if not exc.retryable:
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise InsertRetryError(f"insert of {token} kept failing: {exc}") from exc
-                self.stats.insert_retries += 1
-                log.warning("insert of %s failed (%s); retrying in %.1fs", token, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        if tables:
+            self._retrying(
+                f"insert of {token}",
+                lambda: chstore.insert_arrow_tables(
+                    self._client, tables, token, database=self.database
+                ),
+            )
 
     def _dead_letter(self, msg: Message, reason: str, code: str, kind: str) -> None:
         headers = dlq_headers(

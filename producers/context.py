@@ -249,9 +249,8 @@ class ContextTrie:
         (what the general path of ``add`` does, without walking, splitting or re-stamping)."""
         last, n = self._last, self._buf_len
         assert last is not None and last.depth == n
-        latest = self._last_id if last.epoch == self._epoch else last.latest_id
-        delta = prompt[n:]
-        rest = np.concatenate((delta, completion))
+        result = self._result((last, len(last.label)), n, prompt)
+        rest = np.concatenate((result.prompt_delta, completion))
         leaf = _Node(rest, last, n + len(rest))
         leaf.epoch = self._epoch  # on the spine, below the previous call's node
         last.children[int(rest[0])] = leaf
@@ -259,7 +258,7 @@ class ContextTrie:
         self._last_id = call_id
         self._last = leaf
         self._store(n, rest)
-        return ContextMatch(latest, n, delta)
+        return result
 
     def add_delta(
         self,

@@ -496,7 +496,7 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _use_event_loop(kind: str) -> str:
+def _use_event_loop(kind: str) -> None:
     """uvloop (a dependency through uvicorn[standard]) for the worker's loops, the main one and
     faust's consumer thread's, unless asked for asyncio's or uvloop is missing."""
     if kind == "uvloop":
@@ -504,9 +504,8 @@ def _use_event_loop(kind: str) -> str:
             import uvloop
         except ImportError:
             log.warning("uvloop is not installed: running on asyncio's event loop")
-            return "asyncio"
+            return
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return kind
 
 
 def create_processor(
