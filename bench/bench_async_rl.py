@@ -33,8 +33,9 @@ from rollstream.schemas import Codec, CommonSettings, Sample
 
 def sample_versions(bootstrap: str, topic: str) -> dict[tuple[int, int], int]:
     codec = Codec()
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
-                         "enable.auto.commit": False})
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex, "enable.auto.commit": False}
+    )
     out: dict[tuple[int, int], int] = {}
     md = consumer.list_topics(topic, timeout=10)
     for p in md.topics[topic].partitions:
@@ -56,13 +57,24 @@ def sample_versions(bootstrap: str, topic: str) -> dict[tuple[int, int], int]:
 
 def run_mode(mode: str, bootstrap: str, home: Path, steps: int) -> dict[str, Any]:
     namespace = f"bench{mode}{uuid.uuid4().hex[:4]}"
-    env = {**os.environ, "ROLLSTREAM_HOME": str(home), "ROLLSTREAM_KAFKA_BOOTSTRAP": bootstrap,
-           "ROLLSTREAM_NAMESPACE": namespace, "ROLLSTREAM_DEMO_STEPS": str(steps),
-           "ROLLSTREAM_DEMO_SYNC": "true" if mode == "sync" else "false",
-           "ROLLSTREAM_DEMO_SINK": "false", "ROLLSTREAM_DEMO_MAX_MINUTES": "20"}
+    env = {
+        **os.environ,
+        "ROLLSTREAM_HOME": str(home),
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": bootstrap,
+        "ROLLSTREAM_NAMESPACE": namespace,
+        "ROLLSTREAM_DEMO_STEPS": str(steps),
+        "ROLLSTREAM_DEMO_SYNC": "true" if mode == "sync" else "false",
+        "ROLLSTREAM_DEMO_SINK": "false",
+        "ROLLSTREAM_DEMO_MAX_MINUTES": "20",
+    }
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rollstream.infra.cli", "demo"], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollstream.infra.cli", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} demo failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     summary = json.loads((home / namespace / "demo-summary.json").read_text())
@@ -90,12 +102,14 @@ def main() -> None:
     broker = None
     bootstrap = args.bootstrap
     if bootstrap is None:
-        broker = KafkaBroker(BrokerConfig(data_dir=tmp / "kafka", port=free_port(),
-                                          controller_port=free_port())).start()
+        broker = KafkaBroker(
+            BrokerConfig(data_dir=tmp / "kafka", port=free_port(), controller_port=free_port())
+        ).start()
         bootstrap = broker.bootstrap
     try:
-        runs = {mode: run_mode(mode, bootstrap, tmp / "home", steps)
-                for mode in args.order.split(",")}
+        runs = {
+            mode: run_mode(mode, bootstrap, tmp / "home", steps) for mode in args.order.split(",")
+        }
     finally:
         if broker is not None:
             broker.stop()
@@ -113,8 +127,10 @@ def main() -> None:
         "sync_reward_by_version": sync["mean_reward_by_version"],
         "async_reward_by_version": async_["mean_reward_by_version"],
     }
-    print(f"sync {sync['s_per_step']} s/step, async {async_['s_per_step']} s/step: "
-          f"{result['speedup_async_vs_sync']}x")
+    print(
+        f"sync {sync['s_per_step']} s/step, async {async_['s_per_step']} s/step: "
+        f"{result['speedup_async_vs_sync']}x"
+    )
     print(json.dumps(result))
 
 

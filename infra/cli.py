@@ -160,8 +160,14 @@ def cmd_serve_model(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     from rollstream.producers.proxy import ProxySettings, run
 
-    over = _set(_overrides(args), args, host="proxy_host", port="proxy_port",
-                backend="proxy_backends", model="proxy_model_path")
+    over = _set(
+        _overrides(args),
+        args,
+        host="proxy_host",
+        port="proxy_port",
+        backend="proxy_backends",
+        model="proxy_model_path",
+    )
     run(ProxySettings(**over))
     return 0
 
@@ -192,19 +198,33 @@ def cmd_sink(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from rollstream.consumers.report_cli import ReportSettings, run
 
-    run(ReportSettings(**_overrides(args)), view=args.view, sql=args.sql, plot=args.plot,
-        url=args.url)
+    run(
+        ReportSettings(**_overrides(args)),
+        view=args.view,
+        sql=args.sql,
+        plot=args.plot,
+        url=args.url,
+    )
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from rollstream.consumers.replay import ReplaySettings, run
 
-    over = _set(_overrides(args), args, to="replay_to", source="replay_source",
-                since="replay_since", until="replay_until", task="replay_task_ids",
-                group="replay_group_ids", run_id="replay_run_ids",
-                policy_version="replay_policy_versions", rollout="replay_rollout_ids",
-                analytics_url="analytics_url")
+    over = _set(
+        _overrides(args),
+        args,
+        to="replay_to",
+        source="replay_source",
+        since="replay_since",
+        until="replay_until",
+        task="replay_task_ids",
+        group="replay_group_ids",
+        run_id="replay_run_ids",
+        policy_version="replay_policy_versions",
+        rollout="replay_rollout_ids",
+        analytics_url="analytics_url",
+    )
     result = run(ReplaySettings(**over))
     console.print(str(result))
     return 0

@@ -17,12 +17,18 @@ __all__ = ["DEPLOYABLES", "render"]
 # (deployable, module, class) in the order the table shows them
 DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
     ("every deployable", "rollstream.schemas.settings", "CommonSettings"),
-    ("local stack (`up`, `down`, `status`, `topics`, `tail`)", "rollstream.infra.stack",
-     "StackSettings"),
+    (
+        "local stack (`up`, `down`, `status`, `topics`, `tail`)",
+        "rollstream.infra.stack",
+        "StackSettings",
+    ),
     ("demo (`demo`)", "rollstream.infra.demo", "DemoSettings"),
     ("harness SDK (`Recorder`)", "rollstream.producers.recorder", "RecorderSettings"),
-    ("reference model server (`serve-model`, `make-model`)", "rollstream.producers.model_server",
-     "ModelServerSettings"),
+    (
+        "reference model server (`serve-model`, `make-model`)",
+        "rollstream.producers.model_server",
+        "ModelServerSettings",
+    ),
     ("recording proxy (`proxy`)", "rollstream.producers.proxy", "ProxySettings"),
     ("stream processors (`process`)", "rollstream.streams.settings", "ProcessorSettings"),
     ("trainer (`train`)", "rollstream.consumers.trainer", "TrainerSettings"),
@@ -84,11 +90,19 @@ def render() -> str:
             if field_name in seen:
                 continue
             seen.add(field_name)
-            rows.append(f"| `ROLLSTREAM_{field_name.upper()}` | {_default(field)} | "
-                        f"{comments.get(field_name, '').replace('|', '/')} |")
+            rows.append(
+                f"| `ROLLSTREAM_{field_name.upper()}` | {_default(field)} | "
+                f"{comments.get(field_name, '').replace('|', '/')} |"
+            )
         if rows:
-            lines += [f"## {title}: `{name}`", "", "| variable | default | meaning |",
-                      "| --- | --- | --- |", *rows, ""]
+            lines += [
+                f"## {title}: `{name}`",
+                "",
+                "| variable | default | meaning |",
+                "| --- | --- | --- |",
+                *rows,
+                "",
+            ]
     return "\n".join(lines)
 
 

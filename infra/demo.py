@@ -60,8 +60,10 @@ def _measured_version(results: list[AgentResult]) -> int:
     """The newest policy some rollout ran under from its first call: the demo runs until the last
     trained policy has rollouts of its own (a rollout that merely saw a reload mid-way counts
     under the version it started with, as in `rewards_by_version`)."""
-    return max((min(r.policy_versions) for r in results
-                if r.policy_versions and r.error is None), default=0)
+    return max(
+        (min(r.policy_versions) for r in results if r.policy_versions and r.error is None),
+        default=0,
+    )
 
 
 def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
@@ -76,8 +78,13 @@ def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
 def reward_table(results: list[AgentResult], title: str = "reward per policy version") -> Table:
     table = Table("policy version", "rollouts", "mean reward", "min", "max", title=title)
     for version, values in rewards_by_version(results).items():
-        table.add_row(str(version), str(len(values)), f"{statistics.fmean(values):.3f}",
-                      f"{min(values):.2f}", f"{max(values):.2f}")
+        table.add_row(
+            str(version),
+            str(len(values)),
+            f"{statistics.fmean(values):.3f}",
+            f"{min(values):.2f}",
+            f"{max(values):.2f}",
+        )
     return table
 
 
@@ -115,18 +122,24 @@ def _wait_for_version(agent: DemoAgent, version: int, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def _write_summary(path: Path, settings: DemoSettings, results: list[AgentResult],
-                   loop_s: float) -> None:
+def _write_summary(
+    path: Path, settings: DemoSettings, results: list[AgentResult], loop_s: float
+) -> None:
     data = rewards_by_version(results)
-    path.write_text(json.dumps({
-        "mode": "sync" if settings.demo_sync else "async",
-        "namespace": settings.namespace,
-        "steps": _latest_version(results),
-        "loop_s": round(loop_s, 2),
-        "rollouts": len(results),
-        "failed": sum(r.error is not None for r in results),
-        "mean_reward_by_version": {str(k): statistics.fmean(v) for k, v in data.items()},
-    }, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "mode": "sync" if settings.demo_sync else "async",
+                "namespace": settings.namespace,
+                "steps": _latest_version(results),
+                "loop_s": round(loop_s, 2),
+                "rollouts": len(results),
+                "failed": sum(r.error is not None for r in results),
+                "mean_reward_by_version": {str(k): statistics.fmean(v) for k, v in data.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 def _show_sink_report(settings: DemoSettings, url: str, console: Console) -> None:
@@ -136,8 +149,12 @@ def _show_sink_report(settings: DemoSettings, url: str, console: Console) -> Non
 
     time.sleep(3)  # let the sink flush its last batch
     try:
-        report(ReportSettings(namespace=settings.namespace), view="reward_by_policy", url=url,
-               console=console)
+        report(
+            ReportSettings(namespace=settings.namespace),
+            view="reward_by_policy",
+            url=url,
+            console=console,
+        )
     except Exception as exc:  # the demo's own table stands; say why this one is missing
         console.print(f"[yellow]sink report unavailable:[/] {type(exc).__name__}: {exc}")
 
@@ -150,8 +167,10 @@ def run(settings: DemoSettings) -> int:
     home = Path(settings.home).resolve()
     with console.status("starting the local Kafka broker ..."):
         stack.up(settings)
-    console.print(f"[green]kafka ready[/] at {settings.kafka_bootstrap}, namespace "
-                  f"[bold]{namespace}[/] ({time.monotonic() - t0:.0f}s)")
+    console.print(
+        f"[green]kafka ready[/] at {settings.kafka_bootstrap}, namespace "
+        f"[bold]{namespace}[/] ({time.monotonic() - t0:.0f}s)"
+    )
 
     from rollstream.producers.tinymodel import ensure_tiny_model
 
@@ -175,43 +194,87 @@ def run(settings: DemoSettings) -> int:
     results: list[AgentResult] = []
     try:
         with console.status("starting services (model server, proxy, processors, sink, trainer)"):
-            sup.start(Service("model-server", ["serve-model", "--port", str(model_port)],
-                              health_url=f"http://127.0.0.1:{model_port}/health"))
-            sup.start(Service(
-                "proxy",
-                ["proxy", "--port", str(proxy_port), "--backend", f"http://127.0.0.1:{model_port}"],
-                env={"ROLLSTREAM_PROXY_FOLLOW_POLICY": "true"},
-                health_url=f"http://127.0.0.1:{proxy_port}/health"))
-            sup.start(Service("processor", ["process"], env={
-                "ROLLSTREAM_PROC_GROUP_SIZE": str(settings.demo_group_size),
-                "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": "60"}))
+            sup.start(
+                Service(
+                    "model-server",
+                    ["serve-model", "--port", str(model_port)],
+                    health_url=f"http://127.0.0.1:{model_port}/health",
+                )
+            )
+            sup.start(
+                Service(
+                    "proxy",
+                    [
+                        "proxy",
+                        "--port",
+                        str(proxy_port),
+                        "--backend",
+                        f"http://127.0.0.1:{model_port}",
+                    ],
+                    env={"ROLLSTREAM_PROXY_FOLLOW_POLICY": "true"},
+                    health_url=f"http://127.0.0.1:{proxy_port}/health",
+                )
+            )
+            sup.start(
+                Service(
+                    "processor",
+                    ["process"],
+                    env={
+                        "ROLLSTREAM_PROC_GROUP_SIZE": str(settings.demo_group_size),
+                        "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": "60",
+                    },
+                )
+            )
             if settings.demo_sink:
-                sup.start(Service("sink", ["sink", "--port", str(analytics_port)],
-                                  health_url=f"http://127.0.0.1:{analytics_port}/health"))
-            sup.start(Service("trainer", ["train"], env={
-                "ROLLSTREAM_TRAIN_LR": str(settings.demo_lr),
-                "ROLLSTREAM_TRAIN_TOKEN_BUDGET": str(settings.demo_token_budget),
-                "ROLLSTREAM_TRAIN_MAX_STALENESS": str(settings.demo_max_staleness),
-                "ROLLSTREAM_TRAIN_MAX_STEPS": str(settings.demo_steps),
-                "ROLLSTREAM_TRAIN_FLUSH_IDLE_S": "3",
-                "ROLLSTREAM_TRAIN_TORCH_THREADS": "1"}))
+                sup.start(
+                    Service(
+                        "sink",
+                        ["sink", "--port", str(analytics_port)],
+                        health_url=f"http://127.0.0.1:{analytics_port}/health",
+                    )
+                )
+            sup.start(
+                Service(
+                    "trainer",
+                    ["train"],
+                    env={
+                        "ROLLSTREAM_TRAIN_LR": str(settings.demo_lr),
+                        "ROLLSTREAM_TRAIN_TOKEN_BUDGET": str(settings.demo_token_budget),
+                        "ROLLSTREAM_TRAIN_MAX_STALENESS": str(settings.demo_max_staleness),
+                        "ROLLSTREAM_TRAIN_MAX_STEPS": str(settings.demo_steps),
+                        "ROLLSTREAM_TRAIN_FLUSH_IDLE_S": "3",
+                        "ROLLSTREAM_TRAIN_TORCH_THREADS": "1",
+                    },
+                )
+            )
         console.print(f"services up ({time.monotonic() - t0:.0f}s); logs in {sup.log_dir}")
 
-        agent = DemoAgent(f"http://127.0.0.1:{proxy_port}", turns=settings.demo_turns,
-                          max_tokens=settings.demo_max_tokens)
+        agent = DemoAgent(
+            f"http://127.0.0.1:{proxy_port}",
+            turns=settings.demo_turns,
+            max_tokens=settings.demo_max_tokens,
+        )
         tasks = demo_tasks(settings.demo_tasks, settings.demo_seed)
         deadline = t0 + settings.demo_max_minutes * 60
         loop_t0 = time.monotonic()
         round_no = 0
-        with ThreadPoolExecutor(settings.demo_workers) as pool, \
-                Live(reward_table(results), console=console, refresh_per_second=2) as live:
+        with (
+            ThreadPoolExecutor(settings.demo_workers) as pool,
+            Live(reward_table(results), console=console, refresh_per_second=2) as live,
+        ):
             while time.monotonic() < deadline and _measured_version(results) < settings.demo_steps:
                 sup.check()
                 futures = [
-                    pool.submit(agent.run, task, f"{run_id}-r{round_no}-{task.task_id}",
-                                group_size=settings.demo_group_size, run_id=run_id,
-                                seed=round_no * 1000 + ti * 100 + k)
-                    for ti, task in enumerate(tasks) for k in range(settings.demo_group_size)
+                    pool.submit(
+                        agent.run,
+                        task,
+                        f"{run_id}-r{round_no}-{task.task_id}",
+                        group_size=settings.demo_group_size,
+                        run_id=run_id,
+                        seed=round_no * 1000 + ti * 100 + k,
+                    )
+                    for ti, task in enumerate(tasks)
+                    for k in range(settings.demo_group_size)
                 ]
                 round_results = [fut.result() for fut in futures]
                 results.extend(round_results)
@@ -220,10 +283,14 @@ def run(settings: DemoSettings) -> int:
                     # strictly alternating: wait for the policy these rollouts will train
                     _wait_for_version(agent, _latest_version(round_results) + 1, deadline)
                 failed = sum(r.error is not None for r in results)
-                live.update(reward_table(
-                    results, title=f"reward per policy version — round {round_no}, "
-                                   f"{len(results)} rollouts ({failed} failed), "
-                                   f"{time.monotonic() - t0:.0f}s"))
+                live.update(
+                    reward_table(
+                        results,
+                        title=f"reward per policy version — round {round_no}, "
+                        f"{len(results)} rollouts ({failed} failed), "
+                        f"{time.monotonic() - t0:.0f}s",
+                    )
+                )
         loop_s = time.monotonic() - loop_t0
         agent.close()
         _write_summary(home / namespace / "demo-summary.json", settings, results, loop_s)
@@ -236,9 +303,13 @@ def run(settings: DemoSettings) -> int:
     plot = plot_rewards(results, settings.demo_plot or home / "demo-reward.png")
     if data:
         first, last = next(iter(data.values())), list(data.values())[-1]
-        console.print(f"mean reward: policy v{next(iter(data))} {statistics.fmean(first):.3f} "
-                      f"-> v{list(data)[-1]} {statistics.fmean(last):.3f}; plot: {plot}")
-    console.print(f"{len(results)} rollouts in {time.monotonic() - t0:.0f}s; the broker keeps "
-                  f"running (`rollstream down` stops it); explore: `rollstream tail events "
-                  f"--namespace {namespace} --from-beginning`")
+        console.print(
+            f"mean reward: policy v{next(iter(data))} {statistics.fmean(first):.3f} "
+            f"-> v{list(data)[-1]} {statistics.fmean(last):.3f}; plot: {plot}"
+        )
+    console.print(
+        f"{len(results)} rollouts in {time.monotonic() - t0:.0f}s; the broker keeps "
+        f"running (`rollstream down` stops it); explore: `rollstream tail events "
+        f"--namespace {namespace} --from-beginning`"
+    )
     return 0 if results and len(data) > 1 else 1

@@ -52,7 +52,10 @@ class Supervisor:
         with open(service.log_path, "ab") as log:
             service.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollstream.infra.cli", *service.args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
                 start_new_session=True,
             )
         self.services.append(service)
@@ -70,8 +73,9 @@ class Supervisor:
                 if httpx.get(service.health_url, timeout=2).status_code < 500:
                     return
             time.sleep(0.3)
-        raise ServiceError(f"{service.name} not ready after {service.ready_timeout:.0f}s:\n"
-                           f"{self.tail(service)}")
+        raise ServiceError(
+            f"{service.name} not ready after {service.ready_timeout:.0f}s:\n{self.tail(service)}"
+        )
 
     def wait_log(self, service: Service, needle: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -81,8 +85,9 @@ class Supervisor:
             if service.log_path and needle in service.log_path.read_text(errors="replace"):
                 return
             time.sleep(0.3)
-        raise ServiceError(f"{service.name}: {needle!r} not seen in {timeout:.0f}s:\n"
-                           f"{self.tail(service)}")
+        raise ServiceError(
+            f"{service.name}: {needle!r} not seen in {timeout:.0f}s:\n{self.tail(service)}"
+        )
 
     def check(self) -> None:
         for s in self.services:

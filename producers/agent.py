@@ -83,9 +83,17 @@ class AgentResult:
 class DemoAgent:
     """Runs rollouts of ``DemoTask``s through the proxy's rollout API and OpenAI endpoint."""
 
-    def __init__(self, proxy_url: str, *, model: str = "rollstream-tiny", turns: int = 2,
-                 max_tokens: int = 16, temperature: float = 1.0, admin_key: str | None = None,
-                 timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        proxy_url: str,
+        *,
+        model: str = "rollstream-tiny",
+        turns: int = 2,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        admin_key: str | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         self.proxy_url = proxy_url.rstrip("/")
         self.model = model
         self.turns = turns
@@ -106,25 +114,42 @@ class DemoAgent:
         return data
 
     def _chat(self, http: httpx.Client, messages: list[dict[str, Any]], seed: int) -> Any:
-        resp = http.post("chat/completions", json={
-            "model": self.model, "messages": messages, "max_tokens": self.max_tokens,
-            "temperature": self.temperature, "seed": seed})
+        resp = http.post(
+            "chat/completions",
+            json={
+                "model": self.model,
+                "messages": messages,
+                "max_tokens": self.max_tokens,
+                "temperature": self.temperature,
+                "seed": seed,
+            },
+        )
         resp.raise_for_status()
         return resp.json()
 
-    def run(self, task: DemoTask, group_id: str, *, group_size: int, run_id: str,
-            seed: int) -> AgentResult:
-        created = self._admin.post("/v1/rollouts", json={
-            "task_id": task.task_id, "group_id": group_id, "group_size": group_size,
-            "run_id": run_id, "harness": "rollstream-demo-agent"})
+    def run(
+        self, task: DemoTask, group_id: str, *, group_size: int, run_id: str, seed: int
+    ) -> AgentResult:
+        created = self._admin.post(
+            "/v1/rollouts",
+            json={
+                "task_id": task.task_id,
+                "group_id": group_id,
+                "group_size": group_size,
+                "run_id": run_id,
+                "harness": "rollstream-demo-agent",
+            },
+        )
         created.raise_for_status()
         info = created.json()
         rid, token = info["rollout_id"], info["token"]
         result = AgentResult(rid, task.task_id, group_id, 0, 0)
         auth = {"Authorization": f"Bearer {token}"}
         base = info["base_url"].rstrip("/") + "/"
-        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
-                                          {"role": "user", "content": task.question}]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": task.question},
+        ]
         status, error = "completed", None
         try:
             with httpx.Client(base_url=base, headers=auth, timeout=self._timeout) as http:
@@ -143,20 +168,50 @@ class DemoAgent:
                     tool_ms = (time.perf_counter() - t0) * 1000
                     value = digit_fraction(text)
                     result.milestones.append(value)
-                    self._post(rid, auth, "tool_calls", {
-                        "name": "count_digits", "arguments": {"text": text[:200]},
-                        "result": tool_out, "duration_ms": tool_ms, "at_call_id": call_id})
-                    self._post(rid, auth, "rewards", {
-                        "value": value, "kind": "milestone", "name": f"turn-{turn}",
-                        "at_call_id": call_id, "evaluator": "digit_fraction"})
-                    messages += [{"role": "assistant", "content": text},
-                                 {"role": "user", "content": f"[count_digits] {tool_out}. "
-                                                             "Again, digits only."}]
+                    self._post(
+                        rid,
+                        auth,
+                        "tool_calls",
+                        {
+                            "name": "count_digits",
+                            "arguments": {"text": text[:200]},
+                            "result": tool_out,
+                            "duration_ms": tool_ms,
+                            "at_call_id": call_id,
+                        },
+                    )
+                    self._post(
+                        rid,
+                        auth,
+                        "rewards",
+                        {
+                            "value": value,
+                            "kind": "milestone",
+                            "name": f"turn-{turn}",
+                            "at_call_id": call_id,
+                            "evaluator": "digit_fraction",
+                        },
+                    )
+                    messages += [
+                        {"role": "assistant", "content": text},
+                        {
+                            "role": "user",
+                            "content": f"[count_digits] {tool_out}. Again, digits only.",
+                        },
+                    ]
                     result.turns += 1
             result.final = sum(result.milestones) / max(len(result.milestones), 1)
-            self._post(rid, auth, "rewards", {"value": result.final, "kind": "final",
-                                              "name": "mean-digit-fraction",
-                                              "evaluator": "digit_fraction"})
+            self._post(
+                rid,
+                auth,
+                "rewards",
+                {
+                    "value": result.final,
+                    "kind": "final",
+                    "name": "mean-digit-fraction",
+                    "evaluator": "digit_fraction",
+                },
+            )
         except Exception as exc:  # the rollout fails; the run goes on
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             result.error = error

@@ -63,12 +63,14 @@ class PolicyWatcher:
 
     def _consumer(self) -> Consumer:
         topic = self._settings.topics().policy
-        consumer = Consumer({
-            **self._settings.kafka_config(),
-            "group.id": f"rollstream-proxy-policy-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-            "session.timeout.ms": 6000,
-        })
+        consumer = Consumer(
+            {
+                **self._settings.kafka_config(),
+                "group.id": f"rollstream-proxy-policy-{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": False,
+                "session.timeout.ms": 6000,
+            }
+        )
         md = consumer.list_topics(topic, timeout=10)
         parts = list(md.topics[topic].partitions) if topic in md.topics else [0]
         assignment = []
@@ -105,8 +107,7 @@ class PolicyWatcher:
         async with self._lock:
             if pv.version <= self._current():
                 return
-            log.info("policy version %d: reloading backends from %s", pv.version,
-                     pv.checkpoint_uri)
+            log.info("policy version %d: reloading backends from %s", pv.version, pv.checkpoint_uri)
             try:
                 await self._apply(pv.checkpoint_uri, pv.version)
                 self.applied.append(pv.version)

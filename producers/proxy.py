@@ -450,6 +450,7 @@ class Proxy:
 
 # --------------------------------------------------------------------------- app
 
+
 def _response(body: bytes, is_sse: bool) -> Response:
     if is_sse:
         return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -504,8 +505,12 @@ def create_app(
         await proxy.start()
         watcher = None
         if settings.proxy_follow_policy:
-            watcher = PolicyWatcher(settings, asyncio.get_running_loop(), pool.update_weights,
-                                    lambda: pool.policy_version).start()
+            watcher = PolicyWatcher(
+                settings,
+                asyncio.get_running_loop(),
+                pool.update_weights,
+                lambda: pool.policy_version,
+            ).start()
         try:
             yield
         finally:

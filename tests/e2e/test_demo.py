@@ -20,8 +20,9 @@ pytestmark = pytest.mark.e2e
 
 
 def _read_all(bootstrap: str, topic: str) -> list[bytes]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
-                         "enable.auto.commit": False})
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex, "enable.auto.commit": False}
+    )
     md = consumer.list_topics(topic, timeout=10)
     out: list[bytes] = []
     for p in md.topics[topic].partitions:
@@ -41,23 +42,38 @@ def _read_all(bootstrap: str, topic: str) -> list[bytes]:
 
 def test_short_demo_closes_the_loop(kafka: KafkaBroker, tmp_path: Path) -> None:
     namespace = f"e2e{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "ROLLSTREAM_HOME": str(tmp_path / "home"),
-           "ROLLSTREAM_KAFKA_BOOTSTRAP": kafka.bootstrap, "ROLLSTREAM_NAMESPACE": namespace,
-           "ROLLSTREAM_DEMO_STEPS": "2", "ROLLSTREAM_DEMO_TASKS": "2",
-           "ROLLSTREAM_DEMO_GROUP_SIZE": "4", "ROLLSTREAM_DEMO_TOKEN_BUDGET": "1024",
-           "ROLLSTREAM_DEMO_MAX_MINUTES": "6"}
-    proc = subprocess.run([sys.executable, "-m", "rollstream.infra.cli", "demo"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "ROLLSTREAM_HOME": str(tmp_path / "home"),
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": kafka.bootstrap,
+        "ROLLSTREAM_NAMESPACE": namespace,
+        "ROLLSTREAM_DEMO_STEPS": "2",
+        "ROLLSTREAM_DEMO_TASKS": "2",
+        "ROLLSTREAM_DEMO_GROUP_SIZE": "4",
+        "ROLLSTREAM_DEMO_TOKEN_BUDGET": "1024",
+        "ROLLSTREAM_DEMO_MAX_MINUTES": "6",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollstream.infra.cli", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "home" / "demo-reward.png").stat().st_size > 1000
 
     topics = CommonSettings(namespace=namespace).topics()
     codec = Codec()
-    versions = [codec.decode(v, expect=PolicyVersion) for v in
-                _read_all(kafka.bootstrap, topics.policy)]
+    versions = [
+        codec.decode(v, expect=PolicyVersion) for v in _read_all(kafka.bootstrap, topics.policy)
+    ]
     assert [v.version for v in versions][:2] == [1, 2]
     assert all(v.samples_trained > 0 for v in versions)
-    calls = [ev.body for ev in map(codec.decode, _read_all(kafka.bootstrap, topics.events))
-             if isinstance(ev.body, LlmCall)]
+    calls = [
+        ev.body
+        for ev in map(codec.decode, _read_all(kafka.bootstrap, topics.events))
+        if isinstance(ev.body, LlmCall)
+    ]
     assert calls and max(c.policy_version for c in calls) >= 1  # a new policy was served
     assert len(_read_all(kafka.bootstrap, topics.samples)) > 0

@@ -43,4 +43,5 @@ def test_configuration_doc_is_current() -> None:
     doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == configdoc.render(), (
         "docs/configuration.md is stale: python -m rollstream.infra.configdoc > "
-        "docs/configuration.md")
+        "docs/configuration.md"
+    )
