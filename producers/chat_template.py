@@ -202,7 +202,7 @@ class ChatTemplate:
         try:
             # what Template.render does, minus re-merging the globals and rewriting tracebacks
             context = new_context(self._env, t.name, t.blocks, variables, True, None, None)
-            return str(self._env.concat(t.root_render_func(context)))  # type: ignore[attr-defined]
+            return str(self._env.concat(t.root_render_func(context)))
         except jinja2.TemplateError as exc:
             raise ChatInputError(f"the chat template rejected the messages: {exc}") from exc
         except (TypeError, KeyError, AttributeError) as exc:

@@ -94,10 +94,9 @@ class DeliveryStats:
 
 
 @dataclass(slots=True)
-class _Inflight:
-    item: SpoolItem
-    record: SpoolRecord | None  # where it came from in the spool, acked once settled
-    t: float
+class _Failure:
+    item: SpoolItem  # flagged uncertain: the broker may have written it before failing
+    record: SpoolRecord | None  # where it came from in the spool, acked once spooled again
 
 
 class Delivery:
@@ -130,10 +129,11 @@ class Delivery:
         self._to_spool = bool(spool is not None and spool.backlog)
         self._state = DEGRADED if self._to_spool else HEALTHY
         self._next_probe = 0.0
-        self._pending: dict[int, _Inflight] = {}
-        self._token = 0
-        self._oldest = 0
-        self._failures: list[_Inflight] = []
+        # handed to the client, no report yet: id(item) -> its report callback (a partial over
+        # item and spool record: the only per-message object; the client calls it directly)
+        self._pending: dict[int, functools.partial[None]] = {}
+        self._busy_since = 0.0  # when _pending last became non-empty
+        self._failures: list[_Failure] = []
         self._known: set[bytes] = set()  # uncertain spooled records found already in Kafka
         self._last_ok = time.monotonic()
         self._last_drop_log = 0.0
@@ -318,12 +318,12 @@ class Delivery:
             self._wake.clear()
 
     def _stalled(self, now: float) -> bool:
-        if not self._pending or now - self._last_ok < self.degrade_after_s:
-            return False
-        while self._oldest not in self._pending and self._oldest < self._token:
-            self._oldest += 1
-        oldest = self._pending.get(self._oldest)
-        return oldest is not None and now - oldest.t >= self.degrade_after_s
+        """Events have waited in the client for ``degrade_after_s`` with no acknowledgement."""
+        return (
+            bool(self._pending)
+            and now - self._last_ok >= self.degrade_after_s
+            and now - self._busy_since >= self.degrade_after_s
+        )
 
     def _drop_failures(self) -> None:
         if not self._failures:
@@ -389,7 +389,7 @@ class Delivery:
         moved = 0
         while moved < _BATCH:
             if self._queue:
-                # peek, then pop once handed over: never out of both the queue and _pending
+                # peek, then pop once handed over: never out of both the queue and the client
                 # (flush() would see "idle" in between); only this thread pops
                 if not self._produce(self._queue[0], None):
                     break
@@ -421,61 +421,63 @@ class Delivery:
 
     def _produce(self, item: SpoolItem, record: SpoolRecord | None) -> bool:
         """Hand one message to the client; False when its buffer is full (try again later)."""
-        token = self._token
-        self._token += 1
-        entry = _Inflight(item, record, self._now)
-        self._pending[token] = entry
+        report = functools.partial(self._on_report, item, record)
+        if not self._pending:
+            self._busy_since = self._now
+        key = id(item)  # unique while pending: the dict holds the item (via the partial)
+        self._pending[key] = report  # before the hand-over: flush() always sees it somewhere
         try:
             self.transport.produce(
-                item.topic,
-                item.key,
-                item.value,
-                functools.partial(self._on_delivery, token),
-                timestamp_ms=item.ts_ms,
+                item.topic, item.key, item.value, report, timestamp_ms=item.ts_ms
             )
         except BufferError:
-            del self._pending[token]
+            del self._pending[key]
             self.transport.poll(0.001)
             return False
         except Exception as exc:  # rejected outright (bad argument, too large): for good
-            self._pending.pop(token, None)
-            self._reject(entry, f"{type(exc).__name__}: {exc}")
+            if self._pending.pop(key, None) is not None:
+                self._reject(item, record, f"{type(exc).__name__}: {exc}")
         return True
 
-    def _on_delivery(self, token: int, err: DeliveryError | None) -> None:
-        entry = self._pending.get(token)
-        if entry is None:
-            return
+    def _on_report(
+        self, item: SpoolItem, record: SpoolRecord | None, err: object, _msg: object
+    ) -> None:
+        """The client's delivery report of ``item`` (``record``: where it came from in the
+        spool); ``err`` is the client's error, None when acknowledged."""
+        key = id(item)  # the item is alive (this partial holds it): no other object has its id
+        if key not in self._pending:
+            return  # settled already: the close path gave up waiting for this report
         try:
-            self._settle_one(entry, err)
+            if err is None:
+                self._sent += 1
+                self._acked = True
+                if record is not None and self.spool is not None:
+                    self.spool.ack(record)
+            else:
+                self._settle_failure(item, record, self.transport.describe(err))
         finally:
-            del self._pending[token]  # after it is counted or queued for the spool
+            del self._pending[key]  # after it is counted or queued for the spool
 
-    def _settle_one(self, entry: _Inflight, err: DeliveryError | None) -> None:
-        if err is None:
-            self._sent += 1
-            self._acked = True
-            if entry.record is not None and self.spool is not None:
-                self.spool.ack(entry.record)
-        elif err.permanent:
-            self._reject(entry, f"{err.code}: {err.message}")
+    def _settle_failure(
+        self, item: SpoolItem, record: SpoolRecord | None, err: DeliveryError
+    ) -> None:
+        if err.permanent:
+            self._reject(item, record, f"{err.code}: {err.message}")
         else:
-            entry.item = SpoolItem(
-                entry.item.topic, entry.item.key, entry.item.value, entry.item.ts_ms, uncertain=True
-            )
-            self._failures.append(entry)
+            item = SpoolItem(item.topic, item.key, item.value, item.ts_ms, uncertain=True)
+            self._failures.append(_Failure(item, record))
 
-    def _reject(self, entry: _Inflight, reason: str) -> None:
+    def _reject(self, item: SpoolItem, record: SpoolRecord | None, reason: str) -> None:
         self._failed += 1
         log.error(
             "Kafka rejected an event for good (topic %s, key %r, %d bytes): %s",
-            entry.item.topic,
-            entry.item.key[:64],
-            len(entry.item.value),
+            item.topic,
+            item.key[:64],
+            len(item.value),
             reason,
         )
-        if entry.record is not None and self.spool is not None:
-            self.spool.ack(entry.record)
+        if record is not None and self.spool is not None:
+            self.spool.ack(record)
 
     def _shutdown(self) -> None:
         """Closing: wait for the client until the deadline, purge it, spool what is left."""
@@ -485,13 +487,15 @@ class Delivery:
         if self._pending:
             self.transport.flush(remaining)
         if self._pending:
-            self.transport.purge()
+            self.transport.purge()  # every purged message gets a failure report: spooled
             until = time.monotonic() + 10.0
             while self._pending and time.monotonic() < until:
                 self.transport.poll(0.05)
             if self._pending:  # the client never answered: treat them as failed (uncertain)
-                for entry in list(self._pending.values()):
-                    self._settle_one(entry, DeliveryError("_UNANSWERED", "no report after purge"))
+                unanswered = DeliveryError("_UNANSWERED", "no report after purge")
+                for report in list(self._pending.values()):
+                    item, record = report.args
+                    self._settle_failure(item, record, unanswered)
                 self._pending.clear()
         self._settle()
         with self._lock:

@@ -2,7 +2,10 @@
 in-memory one (with fault injection) for unit tests.
 
 ``produce`` hands one message over and returns at once (``BufferError`` when the client's buffer
-is full); ``on_delivery(None | DeliveryError)`` is called later from ``poll``/``flush``.
+is full); ``on_delivery(err, msg)`` is called later from ``poll``/``flush`` with ``err`` None
+when the message was acknowledged, else the client's own error object, which ``describe`` turns
+into a ``DeliveryError`` (the callback goes straight to the client: no adapter per message on
+the hot path); ``msg`` is the client's message object (opaque).
 ``purge`` fails every message not yet acknowledged. ``reachable`` answers whether the topic's
 partitions have leaders right now. ``delivered`` reads a topic from a timestamp on and tells
 which of the given record digests (``spool.record_digest``) are already there; None when it
@@ -44,7 +47,7 @@ class DeliveryError:
     permanent: bool = False
 
 
-OnDelivery = Callable[[DeliveryError | None], None]
+OnDelivery = Callable[[Any, Any], None]  # (None | the client's error, the client's message)
 
 
 class Transport(Protocol):
@@ -57,6 +60,8 @@ class Transport(Protocol):
         *,
         timestamp_ms: int | None = None,
     ) -> None: ...
+
+    def describe(self, err: Any) -> DeliveryError: ...
 
     def poll(self, timeout: float = 0.0) -> int: ...
 
@@ -157,15 +162,15 @@ class KafkaTransport:
         *,
         timestamp_ms: int | None = None,
     ) -> None:
-        def report(err: Any, _msg: Any) -> None:
-            on_delivery(None if err is None else _error(err))
-
         try:
             self._producer.produce(
-                topic, value, key, on_delivery=report, timestamp=timestamp_ms or 0
+                topic, value, key, on_delivery=on_delivery, timestamp=timestamp_ms or 0
             )
         except self._kafka_exception as exc:
-            on_delivery(_error(exc.args[0]))
+            on_delivery(exc.args[0], None)
+
+    def describe(self, err: Any) -> DeliveryError:
+        return _error(err)
 
     def poll(self, timeout: float = 0.0) -> int:
         return int(self._producer.poll(timeout))
@@ -376,7 +381,7 @@ class MemoryTransport:
             reports = list(self._reports)
             self._reports.clear()
         for callback, report in reports:
-            callback(report)
+            callback(report, None)
         if not reports and timeout > 0:
             time.sleep(min(timeout, 0.002))
         return len(reports)
@@ -395,6 +400,9 @@ class MemoryTransport:
             while self._pending:
                 p = self._pending.popleft()
                 self._reports.append((p.on_delivery, DeliveryError("_PURGE_QUEUE", "purged")))
+
+    def describe(self, err: Any) -> DeliveryError:
+        return err  # this transport's errors are DeliveryErrors
 
     def reachable(self, topic: str, timeout: float) -> bool:
         return self.available

@@ -118,8 +118,9 @@ class _Schema:
 
     def __init__(self, schema_json: dict[str, Any]) -> None:
         self.json = schema_json
-        self.parsed = fastavro.parse_schema(copy.deepcopy(schema_json), _force=True)
-        self.name: str = self.parsed["name"]
+        parsed: dict[str, Any] = fastavro.parse_schema(copy.deepcopy(schema_json), _force=True)  # type: ignore[assignment]
+        self.parsed = parsed
+        self.name: str = parsed["name"]
         self.canonical = to_parsing_canonical_form(self.parsed)
         self.fingerprint = bytes.fromhex(fingerprint(self.canonical, "CRC-64-AVRO"))
 

@@ -111,7 +111,7 @@ class _Record:
 
     @classmethod
     def _field_names(cls) -> tuple[str, ...]:
-        return _field_names(cls)
+        return _field_names(cls)  # type: ignore[arg-type]  # classes are hashable
 
     def __post_init__(self) -> None:
         for name, dtype in self._arrays.items():

@@ -464,3 +464,31 @@ def test_ulids_in_one_millisecond_count_up_by_one_and_carry() -> None:
     assert len(same_ms) > 1000 and all(b == a + 1 for a, b in same_ms)
     assert any(b & 31 == 0 for _, b in same_ms)  # the increment carried past the last digit
     assert values == sorted(values) and len(set(ids)) == len(ids)
+
+
+def test_failed_kafka_deliveries_spool_exactly_what_failed(tmp_path: Path) -> None:
+    """With the real librdkafka client and no broker: messages time out in the client (then the
+    rest are purged at close), and the spool ends up with exactly those messages, byte for byte
+    with their timestamps, flagged uncertain (the report callback carries each message)."""
+    from rollstream.infra.kafka import free_port
+    from rollstream.producers import Delivery, KafkaTransport
+
+    nowhere = {"bootstrap.servers": f"127.0.0.1:{free_port()}"}
+    transport = KafkaTransport(nowhere, {"message.timeout.ms": 300, "linger.ms": 0})
+    spool = Spool(tmp_path / "spool")
+    delivery = Delivery(
+        transport, spool=spool, probe_topic="t", degrade_after_s=60, probe_interval_s=60
+    )
+    sent = [("t", b"k%d" % i, b"v%d" % i, 1_000 + i) for i in range(5)]
+    for topic, key, value, ts in sent[:3]:
+        delivery.submit(topic, key, value, ts)
+    wait_for(lambda: delivery.stats.spooled == 3)  # timed out -> degraded -> moved to the spool
+    for topic, key, value, ts in sent[3:]:
+        delivery.submit(topic, key, value, ts)  # degraded: straight to the spool, behind them
+    stats = delivery.close(timeout=0.2)
+    assert (stats.sent, stats.failed, stats.dropped, stats.spooled) == (0, 0, 0, 5)
+    left = Spool(tmp_path / "spool")
+    records = left.read()
+    left.close()
+    assert [(r.topic, r.key, r.value, r.ts_ms) for r in records] == sent
+    assert [r.uncertain for r in records] == [True, True, True, False, False]
