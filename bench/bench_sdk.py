@@ -6,6 +6,9 @@ RolloutStarted/RolloutFinished. The SDK run times ``recorder.rollout(...)`` + ``
 (trie, envelope, Avro encode, queue, background delivery) up to ``flush()``. The bare run sends
 the same bytes (the SDK's own encoded events, captured beforehand) with a plain Producer of the
 same settings (idempotent, acks=all, linger, batch size, compression), counting delivery reports.
+Each client sends one untimed warm-up message first: a new idempotent producer waits ~500 ms for
+its producer id at random (librdkafka's PID timer when the connection is not up yet), which
+used to land in either side's figure.
 Runs alternate SDK / bare; medians and the ratio are reported. Token ids follow a Zipf law
 (like text), so compression sees realistic redundancy.
 
@@ -80,19 +83,94 @@ def capture(work: Workload, settings: RecorderSettings) -> list[tuple[bytes, byt
     return [(m.key, m.value) for m in transport.messages(settings.topics().events)]
 
 
-def run_sdk(work: Workload, settings: RecorderSettings) -> float:
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_s(stat_path: str) -> float:
+    """user + system CPU seconds of a process or thread from /proc (0 where unreadable)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def thread_cpu(delivery_tid: int | None) -> dict[str, float]:
+    """CPU seconds of this process's threads: ``main`` (this thread: the harness or the bare
+    producer loop), ``delivery`` (the SDK's thread) and each librdkafka thread (``rdk:<tid>``)."""
+    out = {"main": time.thread_time(), "delivery": 0.0}
+    if delivery_tid is not None:
+        out["delivery"] = _cpu_s(f"/proc/self/task/{delivery_tid}/stat")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name.startswith("rdk:"):
+            out[f"rdk:{tid}"] = _cpu_s(f"/proc/self/task/{tid}/stat")
+    return out
+
+
+class CpuMeter:
+    """CPU per event by thread role (and of the broker, when its pid is known) over one run;
+    read before the client is closed (its threads' counters go with them)."""
+
+    def __init__(self, broker_pid: int | None) -> None:
+        self.broker_pid = broker_pid
+        self.totals: dict[str, list[float]] = {}
+
+    def start(self, delivery_tid: int | None = None) -> None:
+        self._tid = delivery_tid
+        self._t0 = thread_cpu(delivery_tid)
+        self._b0 = _cpu_s(f"/proc/{self.broker_pid}/stat") if self.broker_pid else 0.0
+
+    def stop(self, events: int) -> None:
+        t1 = thread_cpu(self._tid)
+        used = {"main": t1["main"] - self._t0["main"]}
+        used["delivery"] = t1["delivery"] - self._t0["delivery"]
+        # librdkafka threads started during the run count from zero
+        used["librdkafka"] = sum(
+            v - self._t0.get(k, 0.0) for k, v in t1.items() if k.startswith("rdk:")
+        )
+        if self.broker_pid:
+            used["broker"] = _cpu_s(f"/proc/{self.broker_pid}/stat") - self._b0
+        for k, v in used.items():
+            self.totals.setdefault(k, []).append(1e6 * v / events)
+
+    def medians(self) -> dict[str, float]:
+        return {k: round(statistics.median(v), 1) for k, v in self.totals.items() if any(v)}
+
+
+def run_sdk(work: Workload, settings: RecorderSettings, meter: CpuMeter | None = None) -> float:
     recorder = Recorder(settings)
+    # untimed warm-up: a new idempotent librdkafka producer that starts before its broker
+    # connection is up waits ~500 ms for its producer id (a fixed timer), at random; one event
+    # through each client before the clock starts keeps that out of both sides' figures
+    recorder.delivery.submit(recorder.topic, b"warm-up", b"warm-up")
+    recorder.flush(60)
+    if meter is not None:
+        meter.start(recorder.delivery._thread.native_id)
     t0 = time.perf_counter()
     work.record(recorder)
     ok = recorder.flush(300)
     elapsed = time.perf_counter() - t0
+    if meter is not None:
+        meter.stop(work.events)
     stats = recorder.close()
-    if not ok or stats.sent != work.events or stats.spooled:
+    if not ok or stats.sent != work.events + 1 or stats.spooled:
         raise RuntimeError(f"SDK run incomplete: {stats}")
     return elapsed
 
 
-def run_bare(records: list[tuple[bytes, bytes]], settings: RecorderSettings) -> float:
+def run_bare(
+    records: list[tuple[bytes, bytes]], settings: RecorderSettings, meter: CpuMeter | None = None
+) -> float:
     conf = {**settings.kafka_config(), **kafka_producer_options(settings)}
     producer = Producer(conf)
     topic = settings.topics().events
@@ -102,6 +180,10 @@ def run_bare(records: list[tuple[bytes, bytes]], settings: RecorderSettings) -> 
         if err is None:
             acked[0] += 1
 
+    producer.produce(topic, b"warm-up", b"warm-up")  # untimed, as in run_sdk
+    producer.flush(60)
+    if meter is not None:
+        meter.start()
     t0 = time.perf_counter()
     for key, value in records:
         while True:
@@ -113,22 +195,30 @@ def run_bare(records: list[tuple[bytes, bytes]], settings: RecorderSettings) -> 
         producer.poll(0)
     producer.flush(300)
     elapsed = time.perf_counter() - t0
+    if meter is not None:
+        meter.stop(len(records))
     if acked[0] != len(records):
         raise RuntimeError(f"bare run: {acked[0]} of {len(records)} acked")
     return elapsed
 
 
 def compare(
-    work: Workload, common: CommonSettings, compression: str, rounds: int, tmp: Path
+    work: Workload,
+    common: CommonSettings,
+    compression: str,
+    rounds: int,
+    tmp: Path,
+    broker_pid: int | None = None,
 ) -> dict[str, Any]:
     settings = sdk_settings(common, compression, tmp / f"spool-{compression}")
     records = capture(work, settings)
     n_bytes = sum(len(k) + len(v) for k, v in records)
     run_sdk(work, settings)  # warm-up: broker, page cache, JIT of the JVM
     sdk, bare = [], []
+    sdk_cpu, bare_cpu = CpuMeter(broker_pid), CpuMeter(broker_pid)
     for _ in range(rounds):
-        sdk.append(run_sdk(work, settings))
-        bare.append(run_bare(records, settings))
+        sdk.append(run_sdk(work, settings, sdk_cpu))
+        bare.append(run_bare(records, settings, bare_cpu))
     sdk_t, bare_t = statistics.median(sdk), statistics.median(bare)
     return {
         "compression": compression,
@@ -142,6 +232,9 @@ def compare(
         "ratio": round(bare_t / sdk_t, 3),
         "sdk_runs_s": [round(t, 3) for t in sdk],
         "bare_runs_s": [round(t, 3) for t in bare],
+        # CPU us per event by thread role (medians over rounds): where the time goes
+        "sdk_cpu_us_per_event": sdk_cpu.medians(),
+        "bare_cpu_us_per_event": bare_cpu.medians(),
     }
 
 
@@ -180,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                     kafka_bootstrap=bootstrap, namespace=f"bench{uuid.uuid4().hex[:8]}"
                 )
                 ensure_topics(common)
-                res = compare(work, common, compression, args.rounds, tmp)
+                pid = broker._proc.pid if broker is not None and broker._proc else None
+                res = compare(work, common, compression, args.rounds, tmp, pid)
                 print(
                     f"{compression:>5}: SDK {res['sdk_events_per_s']} ev/s "
                     f"{res['sdk_mb_per_s']} MB/s | bare {res['bare_events_per_s']} ev/s "
-                    f"{res['bare_mb_per_s']} MB/s | ratio {res['ratio']}",
+                    f"{res['bare_mb_per_s']} MB/s | ratio {res['ratio']} | CPU us/event "
+                    f"SDK {res['sdk_cpu_us_per_event']} bare {res['bare_cpu_us_per_event']}",
                     file=sys.stderr,
                 )
                 results.append(res)
