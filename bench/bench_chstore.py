@@ -378,8 +378,11 @@ def main() -> None:
     p.add_argument("--report-batch", type=int, default=50_000)
     p.add_argument("--repeat", type=int)
     p.add_argument("--codecs", action="store_true", help="measure token-array codecs")
-    p.add_argument("--reports-only", action="store_true",
-                   help="only the reports; with --path, reuse data an earlier run loaded")
+    p.add_argument(
+        "--reports-only",
+        action="store_true",
+        help="only the reports; with --path, reuse data an earlier run loaded",
+    )
     a = p.parse_args()
     quick = a.quick
     llm_n = a.llm_events or (600 if quick else 4000)
@@ -398,12 +401,20 @@ def main() -> None:
             }
             if not a.reports_only:
                 result.update(bench_llm(client, llm_n, a.tokens, a.llm_batch, repeat))
-                print(f"llm: {result['ours_rows_per_s']} vs bare "
-                      f"{result['bare_rows_per_s']} rows/s")
+                print(
+                    f"llm: {result['ours_rows_per_s']} vs bare {result['bare_rows_per_s']} rows/s"
+                )
                 result.update(bench_small(client, small_n, a.small_batch, repeat))
                 print(f"small: {result['small_rows_per_s']} rows/s")
-            result.update(bench_reports(client, report_n, a.report_batch, repeat,
-                                        reuse=a.reports_only and a.path is not None))
+            result.update(
+                bench_reports(
+                    client,
+                    report_n,
+                    a.report_batch,
+                    repeat,
+                    reuse=a.reports_only and a.path is not None,
+                )
+            )
             print(f"reports over {result['report_events']} events: {result['report_ms']}")
             if a.codecs:
                 result.update(bench_codecs(client))

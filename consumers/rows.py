@@ -31,7 +31,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import math
+import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeAlias
 
@@ -194,17 +194,50 @@ def _float_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return found
 
 
+def _finite_check(cls: type) -> Any:
+    """``check(body) -> bool``: every float of a ``cls`` body is finite (None: it has none).
+    ``v - v == 0.0`` is False exactly for NaN and infinities (and raises TypeError for a
+    value that is not a number, as ``math.isfinite`` does)."""
+    scalars, maps = _float_fields(cls)
+    if not scalars and not maps:
+        return None
+    get_scalars = operator.attrgetter(*scalars) if scalars else None
+    get_maps = operator.attrgetter(*maps) if maps else None
+    if get_scalars is not None and len(scalars) == 1 and not maps:
+        get = get_scalars
+
+        def check_one(body: Any) -> bool:
+            v: Any = get(body)
+            return bool(v - v == 0.0)
+
+        return check_one
+
+    def check(body: Any) -> bool:
+        if get_scalars is not None:
+            values = get_scalars(body)
+            for v in values if len(scalars) > 1 else (values,):
+                if v - v != 0.0:
+                    return False
+        if get_maps is not None:
+            found = get_maps(body)
+            for m in found if len(maps) > 1 else (found,):
+                for v in m.values():
+                    if v - v != 0.0:
+                        return False
+        return True
+
+    return check
+
+
+_FINITE_CHECKS: dict[type, Any] = {}
+
+
 def _finite(body: Any) -> bool:
-    scalars, maps = _float_fields(type(body))
-    isfinite = math.isfinite
-    for name in scalars:
-        if not isfinite(getattr(body, name)):
-            return False
-    for name in maps:
-        for value in getattr(body, name).values():
-            if not isfinite(value):
-                return False
-    return True
+    cls = type(body)
+    check = _FINITE_CHECKS.get(cls, _finite)
+    if check is _finite:
+        check = _FINITE_CHECKS[cls] = _finite_check(cls)
+    return True if check is None else bool(check(body))
 
 
 def _body_json(body: Any) -> bytes:
