@@ -613,19 +613,20 @@ class Sink:
         self, batch: RawBatch, first: int, last: int, tables: dict[str, Any], token: str = ""
     ) -> bool:
         """Store the rows of offsets ``first..last`` of the batch's partition (``token``: their
-        dedup token, the batch's by default) without trusting the token. Nothing stored yet:
-        all rows under a fresh token. Some stored: the rows again under their own token
-        (ClickHouse drops what it holds, and the materialized views see every row, as on any
-        retry), then what is still missing — a poisoned token's rows — under a fresh one.
-        Returns whether any row was stored already."""
+        dedup token, the batch's by default) without trusting the token: the rows go in under
+        their own token (ClickHouse drops what it holds under it, and the materialized views
+        see every row, as on any retry), then what is still missing — the rows of a poisoned
+        token — under a fresh one. Never a fresh token first: rows stored under a token no
+        later attempt knows would be stored again by that attempt's re-send (the own token, by
+        contrast, is for each table either stored with its rows or poisoned, and a re-send
+        under it adds nothing either way). Returns whether any row was stored already."""
         token = token or batch.token
         self.stats.verified_batches += 1
         present = self._present(batch, first, last, tables)
         stored = sum(len(v) for v in present.values())
-        if stored:
-            self.stats.verified_rows_present += stored
-            self._insert_arrow(tables, token)
-            tables = sink_verify.missing_rows(tables, self._present(batch, first, last, tables))
+        self.stats.verified_rows_present += stored
+        self._insert_arrow(tables, token)
+        tables = sink_verify.missing_rows(tables, self._present(batch, first, last, tables))
         if tables:
             self._insert_arrow(tables, sink_verify.fresh_token(token))
         log.debug("verified %s[%d..%d]: %d rows stored already", token, first, last, stored)

@@ -9,13 +9,16 @@ loop (docs/sink-and-replay.md, "Crash safety").
 
 So after every partition assignment the sink *verifies* the batches it re-reads, in order,
 until the first one of which nothing is stored: it asks each table which of the batch's Kafka
-offsets it holds. Nothing stored: the batch goes in under a fresh token (the old one may be
-poisoned). Some stored: the batch is sent again under its own token, as any retry (ClickHouse
-drops the blocks it holds, and the materialized views that feed ``rollout_tokens`` see every
-row), then the rows still missing — a poisoned token's — under a fresh one. From the first
-batch with nothing stored on, every later batch of the partition was never attempted, so their
-tokens are trusted again. Only one insert is in flight at a time (the writer thread), so at
-most one token can be poisoned per crash.
+offsets it holds, then sends the batch under its own token, as any retry (ClickHouse drops the
+blocks it holds, and the materialized views that feed ``rollout_tokens`` see every row), asks
+again, and sends the rows still missing — a poisoned token's — under a fresh one. Never a
+fresh token first: per table, the own token is either stored with its rows or poisoned, so a
+later re-send under it adds nothing; rows stored under a fresh token that a later attempt does
+not know would be stored again by that attempt's re-send (a first version did that: the
+100-kill loop found whole batches twice in llm_calls). From the first batch with nothing stored
+on, every later batch of the partition was never attempted, so their tokens are trusted again.
+Only one insert is in flight at a time (the writer thread), so at most one token can be
+poisoned per crash.
 
     present_offsets(client, database, table, topic, partition, lo, hi) -> set[int]
     missing_rows(tables, present) -> dict[str, pa.Table]     (pure)

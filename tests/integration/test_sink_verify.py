@@ -8,9 +8,11 @@ it verifies re-read batches against the table instead of trusting their tokens."
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -95,3 +97,43 @@ def test_a_poisoned_dedup_token_does_not_lose_the_batch(
     assert len(stored) == len(set(stored))  # no duplicate either
     assert set(stored) == produced, sink.log_tail()
     assert typed == 24  # tables whose tokens were not poisoned are stored once too
+
+
+def test_a_verified_batch_killed_before_its_commit_is_stored_once(
+    kafka_settings: CommonSettings, tmp_path: Path
+) -> None:
+    """The first batch of a partition after an assignment is verified and inserted, and the sink
+    is killed before it commits; the next run reads the same batch, verifies it again and finds
+    it stored. Nothing may be stored twice: a first version of the verification inserted a batch
+    of which nothing was stored under a fresh token, which the next run's re-send under the
+    batch's own token did not match (whole batches twice in llm_calls in the 100-kill loop)."""
+    topics = kafka_settings.topics()
+    record_rollouts(kafka_settings, tmp_path, 12)
+    ends = ends_of(kafka_settings, [topics.events])
+    sink = SinkProcess(kafka_settings, tmp_path, sink_batch_messages="1000",
+                       sink_flush_interval_s="0.2", sink_debug_commit_delay_s="120")  # fmt: skip
+    committed = Committed(kafka_settings)
+    try:
+        sink.start()
+        sink.wait_ready()
+        deadline = time.monotonic() + 60
+        while " inserted " not in sink.current_log():  # the first batch is in, its commit waits
+            assert time.monotonic() < deadline, sink.log_tail()
+            time.sleep(0.05)
+        assert "verified " in sink.current_log()
+        sink.kill()
+        del sink.env["ROLLSTREAM_SINK_DEBUG_COMMIT_DELAY_S"]
+        sink.start()
+        sink.wait_ready()
+        wait_committed(committed, ends, sink, 60)
+        with sink.client() as api:
+            events = api.query("SELECT count(), uniqExact(event_id) FROM events").rows[0]
+            calls = api.query("SELECT count(), uniqExact(event_id) FROM llm_calls").rows[0]
+    finally:
+        committed.close()
+        sink.stop()
+    assert sink.killed_mid_batch() == 1
+    # the second run verified the batch again and found its rows there
+    assert re.search(r"verified \S+: [1-9]\d* rows stored already", sink.current_log())
+    assert list(events) == [96, 96], sink.log_tail()  # raw rows: no batch stored twice
+    assert list(calls) == [24, 24], sink.log_tail()
