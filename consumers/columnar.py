@@ -31,6 +31,7 @@ from rollstream.schemas import Event, Record, Reward, RolloutFinished, RolloutSt
 from . import chstore
 from .rows import (
     _TYPED_ROWS,
+    OffsetRange,
     RowError,
     TableRows,
     _body_json,
@@ -105,17 +106,13 @@ def _binary(data: bytearray, ends: list[int]) -> pa.Array:
     )
 
 
-class ColumnBatch:
+class ColumnBatch(OffsetRange):
     """Columns of consecutive messages of one topic partition (module docstring). Same offset
-    bookkeeping as ``RowBatch``: ``token`` is ``topic:partition:first:last``, ``add`` counts
-    the offset even when the record fails to map (and re-raises its RowError)."""
+    bookkeeping as ``RowBatch`` (``OffsetRange``: its token); ``add`` counts the offset even
+    when the record fails to map (and re-raises its RowError)."""
 
     def __init__(self, topic: str, partition: int) -> None:
-        self.topic = topic
-        self.partition = partition
-        self.first: int | None = None
-        self.last: int | None = None
-        self.messages = 0
+        super().__init__(topic, partition)
         self._events: list[Event] = []  # Events that mapped, in offset order
         self._offsets: list[int] = []
         # body_json values end to end in one buffer: keeping 20k fresh bytes objects alive
@@ -125,15 +122,6 @@ class ColumnBatch:
         self._kinds: list[str] = []
         self._typed: dict[type, tuple[list[Event], list[int]]] = {}  # body class -> its events
         self._rows: TableRows = {}  # rows of what has no column spec (row mapper)
-
-    def _consume(self, offset: int) -> None:
-        last = self.last
-        if last is None:
-            self.first = offset
-        elif offset <= last:
-            raise ValueError(f"offset {offset} is not after {last} in {self.token}")
-        self.last = offset
-        self.messages += 1
 
     def add(self, record: Record, offset: int, *, timestamp_us: int = 0) -> None:
         self._consume(offset)
@@ -178,10 +166,6 @@ class ColumnBatch:
     def skip(self, offset: int) -> None:
         """Count a consumed message that produced no rows (e.g. undecodable, dead-lettered)."""
         self._consume(offset)
-
-    @property
-    def token(self) -> str:
-        return f"{self.topic}:{self.partition}:{self.first}:{self.last}"
 
     @property
     def counts(self) -> dict[str, int]:

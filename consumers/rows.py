@@ -57,6 +57,7 @@ __all__ = [
     "MAX_TS_US",
     "TABLES",
     "Column",
+    "OffsetRange",
     "RowBatch",
     "RowError",
     "StoreError",
@@ -524,14 +525,10 @@ def rows_for_record(
     raise RowError(f"not a storable record: {type(record).__name__}", type(record).__name__)
 
 
-class RowBatch:
-    """Rows of consecutive messages of one topic partition. Its offset range names the insert:
+class OffsetRange:
+    """The consecutive offsets of one topic partition a batch consumed. They name its insert:
     ``token`` is ``topic:partition:first:last`` and the store appends ``:table``, so a batch
-    retried after a crash (same offsets) is stored once.
-
-    ``add`` counts the offset even when the record fails to map (it re-raises the RowError for
-    the caller to dead-letter the record): the range is what was consumed, not what was stored.
-    """
+    retried after a crash (same offsets) is stored once."""
 
     def __init__(self, topic: str, partition: int) -> None:
         self.topic = topic
@@ -539,7 +536,6 @@ class RowBatch:
         self.first: int | None = None
         self.last: int | None = None
         self.messages = 0
-        self.tables: TableRows = {}
 
     def _consume(self, offset: int) -> None:
         last = self.last
@@ -549,6 +545,22 @@ class RowBatch:
             raise ValueError(f"offset {offset} is not after {last} in {self.token}")
         self.last = offset
         self.messages += 1
+
+    @property
+    def token(self) -> str:
+        return f"{self.topic}:{self.partition}:{self.first}:{self.last}"
+
+
+class RowBatch(OffsetRange):
+    """Rows of consecutive messages of one topic partition (``OffsetRange``: its token).
+
+    ``add`` counts the offset even when the record fails to map (it re-raises the RowError for
+    the caller to dead-letter the record): the range is what was consumed, not what was stored.
+    """
+
+    def __init__(self, topic: str, partition: int) -> None:
+        super().__init__(topic, partition)
+        self.tables: TableRows = {}
 
     def add(self, record: Record, offset: int, *, timestamp_us: int = 0) -> None:
         self._consume(offset)
@@ -579,10 +591,6 @@ class RowBatch:
     def skip(self, offset: int) -> None:
         """Count a consumed message that produced no rows (e.g. undecodable, dead-lettered)."""
         self._consume(offset)
-
-    @property
-    def token(self) -> str:
-        return f"{self.topic}:{self.partition}:{self.first}:{self.last}"
 
     @property
     def num_rows(self) -> int:

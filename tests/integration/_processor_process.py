@@ -4,10 +4,6 @@ it) and a background reader of a topic: shared by the processor's integration te
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -15,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from _logged_process import LoggedProcess
 from confluent_kafka import Consumer
 
 from rollstream.schemas import Codec, CommonSettings, Sample
@@ -23,61 +20,27 @@ codec = Codec()
 GROUP_TIMEOUT_S = 3.0
 
 
-class Worker:
+class Worker(LoggedProcess):
     """``python -m rollstream.streams`` as a subprocess (so it can be SIGKILLed)."""
 
     def __init__(self, settings: CommonSettings, tmp_path: Path, **env: str) -> None:
-        self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
-            "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-            "ROLLSTREAM_NAMESPACE": settings.namespace,
-            "ROLLSTREAM_HOME": str(tmp_path / "home"),
-            "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": str(GROUP_TIMEOUT_S),
-            "ROLLSTREAM_PROC_TIMER_INTERVAL_S": "0.5",
-            "ROLLSTREAM_PROC_STATS_INTERVAL_S": "5",
-            **{f"ROLLSTREAM_PROC_{k.upper()}": v for k, v in env.items()},
-        }
-        self.log_path = tmp_path / "worker.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start {self.starts} =====\n".encode())
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.streams"],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        super().__init__(
+            "rollstream.streams", settings, tmp_path, "worker.log",
+            {
+                "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": str(GROUP_TIMEOUT_S),
+                "ROLLSTREAM_PROC_TIMER_INTERVAL_S": "0.5",
+                "ROLLSTREAM_PROC_STATS_INTERVAL_S": "5",
+                **{f"ROLLSTREAM_PROC_{k.upper()}": v for k, v in env.items()},
+            },
+        )  # fmt: skip
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until the worker started last logs that it is ready (its tables rebuilt)."""
         deadline = time.monotonic() + timeout
-        marker = f"===== start {self.starts} =====".encode()
-        while b"Worker ready" not in self.log_path.read_bytes().rpartition(marker)[2]:
+        while "Worker ready" not in self.current_log():
             assert self.proc is not None and self.proc.poll() is None, self.log_tail()
             assert time.monotonic() < deadline, self.log_tail()
             time.sleep(0.1)
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
 class Reader:

@@ -4,17 +4,14 @@ production), SDK rollouts, and Kafka reads of topics and of the sink group's com
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _logged_process import LoggedProcess
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from rollstream.consumers.analytics_server import AnalyticsClient
@@ -24,25 +21,23 @@ from rollstream.producers.recorder import Recorder, RecorderSettings
 from rollstream.schemas import CommonSettings
 
 
-class SinkProcess:
+class SinkProcess(LoggedProcess):
+    """``python -m rollstream.consumers.sink`` on its own chDB path and analytics port."""
+
     def __init__(self, settings: CommonSettings, tmp_path: Path, **env: str) -> None:
         self.port = free_port()
         self.chdb_path = tmp_path / "chdb"
-        self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
-            "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-            "ROLLSTREAM_NAMESPACE": settings.namespace,
-            "ROLLSTREAM_HOME": str(tmp_path / "home"),
-            "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{self.chdb_path}",
-            "ROLLSTREAM_ANALYTICS_PORT": str(self.port),
-            "ROLLSTREAM_SINK_INSTANCE_ID": f"it-sink-{settings.namespace}",
-            "ROLLSTREAM_SINK_LOG_LEVEL": "debug",
-            "ROLLSTREAM_SINK_STATS_INTERVAL_S": "5",
-            **{f"ROLLSTREAM_{k.upper()}": v for k, v in env.items()},
-        }
-        self.log_path = tmp_path / "sink.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
+        super().__init__(
+            "rollstream.consumers.sink", settings, tmp_path, "sink.log",
+            {
+                "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{self.chdb_path}",
+                "ROLLSTREAM_ANALYTICS_PORT": str(self.port),
+                "ROLLSTREAM_SINK_INSTANCE_ID": f"it-sink-{settings.namespace}",
+                "ROLLSTREAM_SINK_LOG_LEVEL": "debug",
+                "ROLLSTREAM_SINK_STATS_INTERVAL_S": "5",
+                **{f"ROLLSTREAM_{k.upper()}": v for k, v in env.items()},
+            },
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -50,22 +45,6 @@ class SinkProcess:
 
     def client(self) -> AnalyticsClient:
         return AnalyticsClient(self.url)
-
-    def start(self) -> None:
-        self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start {self.starts} =====\n".encode())
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.consumers.sink"],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def current_log(self) -> str:
-        marker = f"===== start {self.starts} ====="
-        return self.log_path.read_text(errors="replace").rpartition(marker)[2]
 
     def wait_ready(self, timeout: float = 90.0, *, assigned: bool = True) -> None:
         """Until the sink started last serves analytics and (``assigned``) owns partitions."""
@@ -75,23 +54,6 @@ class SinkProcess:
             assert self.proc is not None and self.proc.poll() is None, self.log_tail()
             assert time.monotonic() < deadline, self.log_tail()
             time.sleep(0.05)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def killed_mid_batch(self) -> int:
         """Runs (all but the current one) killed with a batch in flight: its last insert not
