@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,6 +114,7 @@ def main() -> None:
     finally:
         if broker is not None:
             broker.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     sync, async_ = runs["sync"], runs["async"]
     result = {
         "bench": "async_rl",

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -207,6 +208,7 @@ def main() -> None:
     finally:
         if broker is not None:
             broker.stop()
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out))
 
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -247,6 +248,7 @@ def main() -> None:
         client.close()
         if broker is not None:
             broker.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the broker's log and chDB: ~1 GB a run
     print(json.dumps(out))
 
 

@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -94,6 +94,7 @@ __all__ = [
     "run",
 ]
 
+T = TypeVar("T")
 log = logging.getLogger("rollstream.consumers.sink")
 
 SinkTopic = Literal["events", "trajectories", "samples", "policy"]
@@ -622,23 +623,28 @@ class Sink:
         under it adds nothing either way). Returns whether any row was stored already."""
         token = token or batch.token
         self.stats.verified_batches += 1
-        present = self._present(batch, first, last, tables)
-        stored = sum(len(v) for v in present.values())
+        stored = sum(self._present(batch, first, last, tables, sink_verify.present_count).values())
         self.stats.verified_rows_present += stored
         self._insert_arrow(tables, token)
-        tables = sink_verify.missing_rows(tables, self._present(batch, first, last, tables))
+        # a record gives at most one row per table: a table holding as many of the batch's
+        # offsets as it has rows is complete; the offsets are fetched only for the others
+        counts = self._present(batch, first, last, tables, sink_verify.present_count)
+        short = {name: t for name, t in tables.items() if counts[name] < t.num_rows}
+        offsets = self._present(batch, first, last, short, sink_verify.present_offsets)
+        tables = sink_verify.missing_rows(short, offsets)
         if tables:
             self._insert_arrow(tables, sink_verify.fresh_token(token))
         log.debug("verified %s[%d..%d]: %d rows stored already", token, first, last, stored)
         return stored > 0
 
     def _present(
-        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any]
-    ) -> dict[str, set[int]]:
+        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any], ask: Callable[..., T]
+    ) -> dict[str, T]:
+        """``ask`` (sink_verify.present_count or present_offsets) for each table."""
         return {
             name: self._retrying(
                 f"verify of {batch.token}",
-                lambda name=name: sink_verify.present_offsets(
+                lambda name=name: ask(
                     self._client, self.database, name, batch.topic, batch.partition, first, last
                 ),
             )

@@ -20,6 +20,7 @@ on, every later batch of the partition was never attempted, so their tokens are 
 Only one insert is in flight at a time (the writer thread), so at most one token can be
 poisoned per crash.
 
+    present_count(client, database, table, topic, partition, lo, hi) -> int
     present_offsets(client, database, table, topic, partition, lo, hi) -> set[int]
     missing_rows(tables, present) -> dict[str, pa.Table]     (pure)
     fresh_token(token) -> str
@@ -36,7 +37,27 @@ import pyarrow.compute as pc
 
 from . import chstore
 
-__all__ = ["fresh_token", "missing_rows", "present_offsets"]
+__all__ = ["fresh_token", "missing_rows", "present_count", "present_offsets"]
+
+_WHERE = (
+    "WHERE kafka_topic = {t:String} AND kafka_partition = {p:Int32} "
+    "AND kafka_offset BETWEEN {lo:Int64} AND {hi:Int64}"
+)
+
+
+def present_count(
+    client: Any, database: str, table: str, topic: str, partition: int, lo: int, hi: int
+) -> int:
+    """How many Kafka offsets of ``topic[partition]`` in ``[lo, hi]`` have a row in ``table``
+    (one number back instead of every offset: the usual answer is "none" or "all")."""
+    chstore.check_identifier(database)
+    chstore.check_identifier(table)
+    result = chstore.query(
+        client,
+        f"SELECT uniqExact(kafka_offset) FROM {database}.{table} {_WHERE}",
+        {"t": topic, "p": partition, "lo": lo, "hi": hi},
+    )
+    return int(result.rows[0][0])
 
 
 def present_offsets(
@@ -47,9 +68,7 @@ def present_offsets(
     chstore.check_identifier(table)
     result = chstore.query(
         client,
-        f"SELECT DISTINCT kafka_offset FROM {database}.{table} "
-        "WHERE kafka_topic = {t:String} AND kafka_partition = {p:Int32} "
-        "AND kafka_offset BETWEEN {lo:Int64} AND {hi:Int64}",
+        f"SELECT DISTINCT kafka_offset FROM {database}.{table} {_WHERE}",
         {"t": topic, "p": partition, "lo": lo, "hi": hi},
     )
     return {int(row[0]) for row in result.rows}
