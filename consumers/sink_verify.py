@@ -45,18 +45,25 @@ _WHERE = (
 )
 
 
+def _ask(
+    client: Any, what: str, database: str, table: str, topic: str, partition: int, lo: int, hi: int
+) -> Any:
+    """``SELECT what FROM table`` over the rows of ``topic[partition]`` offsets ``[lo, hi]``."""
+    chstore.check_identifier(database)
+    chstore.check_identifier(table)
+    return chstore.query(
+        client,
+        f"SELECT {what} FROM {database}.{table} {_WHERE}",
+        {"t": topic, "p": partition, "lo": lo, "hi": hi},
+    )
+
+
 def present_count(
     client: Any, database: str, table: str, topic: str, partition: int, lo: int, hi: int
 ) -> int:
     """How many Kafka offsets of ``topic[partition]`` in ``[lo, hi]`` have a row in ``table``
     (one number back instead of every offset: the usual answer is "none" or "all")."""
-    chstore.check_identifier(database)
-    chstore.check_identifier(table)
-    result = chstore.query(
-        client,
-        f"SELECT uniqExact(kafka_offset) FROM {database}.{table} {_WHERE}",
-        {"t": topic, "p": partition, "lo": lo, "hi": hi},
-    )
+    result = _ask(client, "uniqExact(kafka_offset)", database, table, topic, partition, lo, hi)
     return int(result.rows[0][0])
 
 
@@ -64,13 +71,7 @@ def present_offsets(
     client: Any, database: str, table: str, topic: str, partition: int, lo: int, hi: int
 ) -> set[int]:
     """Kafka offsets of ``topic[partition]`` in ``[lo, hi]`` that have a row in ``table``."""
-    chstore.check_identifier(database)
-    chstore.check_identifier(table)
-    result = chstore.query(
-        client,
-        f"SELECT DISTINCT kafka_offset FROM {database}.{table} {_WHERE}",
-        {"t": topic, "p": partition, "lo": lo, "hi": hi},
-    )
+    result = _ask(client, "DISTINCT kafka_offset", database, table, topic, partition, lo, hi)
     return {int(row[0]) for row in result.rows}
 
 
