@@ -135,7 +135,7 @@ class SinkTransport:
     def poll(self, timeout: float = 0.0) -> int:
         acks, self._acks = self._acks, []
         for ack in acks:
-            ack(None)
+            ack(None, None)  # (error, message), as the Kafka client reports
         if not acks and timeout > 0:
             time.sleep(timeout)
         return len(acks)
@@ -143,6 +143,9 @@ class SinkTransport:
     def flush(self, timeout: float) -> int:
         self.poll()
         return 0
+
+    def describe(self, err: Any) -> Any:
+        raise AssertionError(f"SinkTransport never fails a delivery, got {err!r}")
 
     def purge(self) -> None:
         self._acks = []

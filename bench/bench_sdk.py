@@ -18,6 +18,7 @@ Runs alternate SDK / bare; medians and the ratio are reported. Token ids follow 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -119,18 +120,32 @@ def thread_cpu(delivery_tid: int | None) -> dict[str, float]:
 
 class CpuMeter:
     """CPU per event by thread role (and of the broker, when its pid is known) over one run;
-    read before the client is closed (its threads' counters go with them)."""
+    read before the client is closed (its threads' counters go with them). ``gc_pauses``: wall
+    time in the cyclic GC's collections during the run, whichever thread they paused."""
 
     def __init__(self, broker_pid: int | None) -> None:
         self.broker_pid = broker_pid
         self.totals: dict[str, list[float]] = {}
+        self.gc_runs: list[list[int]] = []  # collections of generation 0, 1, 2 per run
 
     def start(self, delivery_tid: int | None = None) -> None:
         self._tid = delivery_tid
+        self._gc_ns = 0
+        self._gc_runs = [0, 0, 0]
+        gc.callbacks.append(self._on_gc)
         self._t0 = thread_cpu(delivery_tid)
         self._b0 = _cpu_s(f"/proc/{self.broker_pid}/stat") if self.broker_pid else 0.0
 
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        # the cyclic GC pauses whichever thread triggers it: wall time, counted by generation
+        if phase == "start":
+            self._gc_t0 = time.perf_counter_ns()
+        else:
+            self._gc_ns += time.perf_counter_ns() - self._gc_t0
+            self._gc_runs[info["generation"]] += 1
+
     def stop(self, events: int) -> None:
+        gc.callbacks.remove(self._on_gc)
         t1 = thread_cpu(self._tid)
         used = {"main": t1["main"] - self._t0["main"]}
         used["delivery"] = t1["delivery"] - self._t0["delivery"]
@@ -140,8 +155,10 @@ class CpuMeter:
         )
         if self.broker_pid:
             used["broker"] = _cpu_s(f"/proc/{self.broker_pid}/stat") - self._b0
+        used["gc_pauses"] = self._gc_ns / 1e9
         for k, v in used.items():
             self.totals.setdefault(k, []).append(1e6 * v / events)
+        self.gc_runs.append(self._gc_runs)
 
     def medians(self) -> dict[str, float]:
         return {k: round(statistics.median(v), 1) for k, v in self.totals.items() if any(v)}
@@ -235,6 +252,7 @@ def compare(
         # CPU us per event by thread role (medians over rounds): where the time goes
         "sdk_cpu_us_per_event": sdk_cpu.medians(),
         "bare_cpu_us_per_event": bare_cpu.medians(),
+        "sdk_gc_runs_by_generation": sdk_cpu.gc_runs,
     }
 
 

@@ -25,12 +25,20 @@ and resumes the walk at the previous call's node; when that node is a leaf (an a
 conversation) the new call is just a new leaf below it. An append-only turn thus costs one
 memcmp plus O(new tokens), whatever the depth.
 
+Memory: edge labels are views into the trie's own arena of token blocks, and the last sequence's
+buffer is such a block too. Blocks come from, and go back to, one process-wide pool of free
+blocks (``release()``, which the Recorder calls when a rollout finishes; a grown buffer's old
+block goes back at once). A rollout's tokens thus reuse memory the process already touched:
+fresh memory for them, handed back to the OS at the end of every rollout, cost ~100 page faults
+(~160 us) per 20-call rollout of 2,000-token turns on this machine (docs/benchmarks.md).
+
     ProducerError                    root of rollstream.producers (defined here, the lowest module)
     └── ContextError                 a call id reused, or an unknown call asked for (ValueError)
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -89,6 +97,44 @@ def common_prefix(a: Tokens, b: Tokens) -> int:
     return n
 
 
+_Block = tuple[bytearray, "Tokens"]  # memory and its uint32 view (the view pins the memory)
+
+
+class _BlockPool:
+    """Free token blocks kept for reuse, by power-of-two size, up to ``keep_bytes`` in all."""
+
+    MIN_TOKENS = 1 << 12  # 16 KB
+
+    def __init__(self, keep_bytes: int = 64 << 20) -> None:
+        self.keep_bytes = keep_bytes
+        self.kept_bytes = 0
+        self._free: dict[int, list[_Block]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tokens: int) -> _Block:
+        """A block of at least ``tokens`` tokens (contents undefined)."""
+        size = max(self.MIN_TOKENS, 1 << (tokens - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self.kept_bytes -= 4 * size
+                return free.pop()
+        memory = bytearray(4 * size)
+        return memory, np.frombuffer(memory, _U32)
+
+    def give(self, block: _Block) -> None:
+        size = 4 * len(block[1])
+        with self._lock:
+            if self.kept_bytes + size <= self.keep_bytes:
+                self._free.setdefault(len(block[1]), []).append(block)
+                self.kept_bytes += size
+
+
+_POOL = _BlockPool()
+_EMPTY: _Block = (bytearray(), np.zeros(0, _U32))
+_ARENA_MAX = 1 << 18  # tokens per arena block (1 MB); a longer label gets a block of its own
+
+
 class _Node:
     __slots__ = ("children", "depth", "epoch", "label", "latest_id", "parent")
 
@@ -116,14 +162,47 @@ class ContextTrie:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._root = _Node(np.zeros(0, _U32), None, 0)
         self._ends: dict[str, _Node] = {}
         self._epoch = 0
         self._last_id: str | None = None
         self._last: _Node | None = None  # end node of the most recent call
-        self._buf = bytearray()  # its full sequence as uint32 bytes in [: 4 * _buf_len]
-        self._tokens = np.zeros(0, _U32)  # the same memory, as tokens
+        # its full sequence as uint32 bytes in _buf[: 4 * _buf_len]; _tokens: the same memory
+        self._buf, self._tokens = _EMPTY
         self._buf_len = 0
+        self._blocks: list[_Block] = []  # the arena: edge labels are views into these blocks
+        self._arena = _EMPTY[1]  # the block being filled, from _arena_pos on
+        self._arena_pos = 0
+
+    def release(self) -> None:
+        """Give the trie's memory back to the process's pool and empty the trie. Call it when
+        the rollout is over (the Recorder does); nothing the trie returned refers to it."""
+        blocks, self._blocks = self._blocks, []
+        if len(self._tokens):
+            blocks.append((self._buf, self._tokens))
+        self._reset()
+        for block in blocks:
+            _POOL.give(block)
+
+    def _keep(self, tokens: Tokens, more: Tokens | None = None) -> Tokens:
+        """``tokens`` (then ``more``) copied into the arena; returns the arena's view."""
+        mid = len(tokens)
+        n = mid + (0 if more is None else len(more))
+        pos = self._arena_pos
+        if pos + n > len(self._arena):
+            size = min(max(2 * len(self._arena), _BlockPool.MIN_TOKENS), _ARENA_MAX)
+            block = _POOL.take(max(n, size))
+            self._blocks.append(block)
+            self._arena, pos = block[1], 0
+        self._arena_pos = pos + n
+        label = self._arena[pos : pos + n]
+        label[:mid] = tokens
+        if more is not None:
+            label[mid:] = more
+        return label
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -186,9 +265,10 @@ class ContextTrie:
         mid = start + len(tokens)
         end = mid + (0 if more is None else len(more))
         if end > len(self._tokens):  # the numpy view pins the bytearray: grow by replacing
-            grown = bytearray(4 * max(end, 2 * len(self._tokens), 1024))
-            view = np.frombuffer(grown, _U32)
+            grown, view = _POOL.take(max(end, 2 * len(self._tokens)))
             view[:start] = self._tokens[:start]
+            if len(self._tokens):
+                _POOL.give((self._buf, self._tokens))
             self._buf, self._tokens = grown, view
         self._tokens[start:mid] = tokens
         if more is not None:
@@ -226,15 +306,13 @@ class ContextTrie:
         else:
             cursor, pos = self._walk(prompt, (self._root, 0), 0)
         result = self._result(cursor, pos, prompt)
-        fresh = len(completion) > 0  # concatenate makes a new array: no need to copy it again
-        rest = np.concatenate((prompt[pos:], completion)) if fresh else prompt[pos:]
+        rest = np.concatenate((prompt[pos:], completion)) if len(completion) else prompt[pos:]
         if len(rest):
             cursor, used = self._walk(rest, cursor, 0)
-            if used:
-                rest, fresh = rest[used:], False
+            rest = rest[used:]
         end = self._split(cursor)
         if len(rest):
-            leaf = _Node(rest if fresh else rest.copy(), end, end.depth + len(rest))
+            leaf = _Node(self._keep(rest), end, end.depth + len(rest))
             end.children[int(rest[0])] = leaf
             end = leaf
         self._ends[call_id] = end
@@ -250,7 +328,7 @@ class ContextTrie:
         last, n = self._last, self._buf_len
         assert last is not None and last.depth == n
         result = self._result((last, len(last.label)), n, prompt)
-        rest = np.concatenate((result.prompt_delta, completion))
+        rest = self._keep(result.prompt_delta, completion)
         leaf = _Node(rest, last, n + len(rest))
         leaf.epoch = self._epoch  # on the spine, below the previous call's node
         last.children[int(rest[0])] = leaf

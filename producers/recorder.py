@@ -412,7 +412,7 @@ class RolloutHandle:
                 return False
             self._emit(RolloutFinished(final, error))
             self.status = final
-            self.context = ContextTrie()  # free the token memory
+            self.context.release()  # its token memory goes back to the process's pool
         return True
 
     def __enter__(self) -> RolloutHandle:

@@ -6,8 +6,11 @@ compiles, once per schema, a writer: each named record becomes one generated Pyt
 whose body is the record's fields as straight-line write steps (attribute read, varint from a
 table of small values, ``bytearray +=``), appended to one bytearray that starts with the wire
 header. Packed arrays go in straight from the numpy buffer (no ``tobytes`` copy) when they are
-C-contiguous. The output is byte for byte what fastavro writes (a test checks it on generated
-records of every type).
+C-contiguous; a large one (token IDs, logprobs) is not appended at all: its place in the
+bytearray is noted, and the output is one ``bytes.join`` of the bytearray's pieces and the
+arrays, so each of its bytes is copied once (appending copied it up to three times: into the
+bytearray, again when the bytearray grew, and into the final bytes). The output is byte for
+byte what fastavro writes (a test checks it on generated records of every type).
 
 Supported: the types rollstream's schemas use — null, boolean, int, long, float, double, string,
 bytes (from numpy arrays or bytes), enum, record, array, map, and unions of those. A value of
@@ -53,8 +56,24 @@ def _varint(n: int) -> bytes:
     return out + _RAW[n]
 
 
+_BIG = 2048  # bytes values at least this long are joined in, not appended
+
+
+def _join(buf: bytearray, big: list[tuple[int, Any]]) -> bytes:
+    """The output: ``buf`` with each large value inserted at its noted position."""
+    parts: list[Any] = []
+    at = 0
+    for pos, data in big:
+        parts.append(buf[at:pos])
+        parts.append(data)
+        at = pos
+    parts.append(buf[at:])
+    return b"".join(parts)
+
+
 class _Compiler(CodeGen):
-    """Generates the source of one function ``(buf, v)`` per named record and execs it once."""
+    """Generates the source of one function ``(buf, big, v)`` per named record and execs it
+    once; ``big`` collects (position in buf, buffer) of the large bytes values."""
 
     def __init__(self, classes: dict[str, type]) -> None:
         env: dict[str, Any] = {
@@ -66,6 +85,8 @@ class _Compiler(CodeGen):
             "_ndarray": np.ndarray,
             "_memoryview": memoryview,
             "_Enum": Enum,
+            "_BIG": _BIG,
+            "_join": _join,
         }
         super().__init__(classes, env)
         self.enums: dict[str, str] = {}  # full name -> name of its symbol -> index dict
@@ -146,11 +167,16 @@ class _Compiler(CodeGen):
                 f"{ind}    {n} = len({d})",
             ]
             self._long(out, ind, n, non_negative=True)
-            out.append(f"{ind}buf += {d}")
+            out += [
+                f"{ind}if {n} < _BIG:",
+                f"{ind}    buf += {d}",
+                f"{ind}else:",
+                f"{ind}    big.append((len(buf), {d}))",
+            ]
 
     def _named(self, full: str, out: list[str], ind: str, x: str) -> None:
         if full in self.records:
-            out.append(f"{ind}{self.records[full]}(buf, {x})")
+            out.append(f"{ind}{self.records[full]}(buf, big, {x})")
         elif full in self.enums:
             out.append(
                 f"{ind}buf += _L[{self.enums[full]}[{x}.value if isinstance({x}, _Enum) else {x}]]"
@@ -191,7 +217,7 @@ class _Compiler(CodeGen):
         out += [
             f"{ind}{tag}, {write} = {table}[type({x})]",
             f"{ind}buf += {tag}",
-            f"{ind}{write}(buf, {x})",
+            f"{ind}{write}(buf, big, {x})",
         ]
 
     def _array(self, items: Any, namespace: str, out: list[str], ind: str, x: str) -> None:
@@ -225,7 +251,7 @@ class _Compiler(CodeGen):
             read = f"getattr(v, {name!r})" if keyword.iskeyword(name) else f"v.{name}"
             body.append(f"    {x} = {read}")
             self._emit(f["type"], ns, body, "    ", x)
-        self.sources.append(f"def {func}(buf, v):\n" + "\n".join(body or ["    pass"]))
+        self.sources.append(f"def {func}(buf, big, v):\n" + "\n".join(body or ["    pass"]))
         return func
 
 
@@ -243,9 +269,9 @@ def compile_writer(
     source = "\n\n".join(
         [
             *compiler.sources,
-            "def write(record):\n    buf = bytearray(_prefix)\n"
+            "def write(record):\n    buf = bytearray(_prefix)\n    big = []\n"
             + "\n".join(lines)
-            + "\n    return bytes(buf)",
+            + "\n    return _join(buf, big) if big else bytes(buf)",
         ]
     )
     exec(compile(source, f"<fastwrite {schema.get('name', '?')}>", "exec"), env)

@@ -598,6 +598,33 @@ def test_compiled_writer_takes_any_array_layout_and_bytes_like_values() -> None:
         assert write(Blob(data, more)) == b"HD" + expect.getvalue()
 
 
+def test_compiled_writer_joins_large_arrays_in_place() -> None:
+    """Values of _BIG bytes or more are joined in at their place, not appended: sizes around the
+    cut, several large values between small fields, nested in a union, strided (copied) ones;
+    the bytes are fastavro's and decode back."""
+    from rollstream.schemas.fastwrite import _BIG
+
+    rng = np.random.default_rng(3)
+    edge = _BIG // 4  # tokens of 4 bytes: edge - 1 is appended, edge is joined
+    for n_prompt, n_completion in [(edge - 1, edge), (edge, edge - 1), (edge, edge), (3000, 0),
+                                   (0, 2 * edge), (edge + 1, 5 * edge)]:  # fmt: skip
+        prompt = rng.integers(0, 2**32, n_prompt, dtype="<u4")
+        completion = rng.integers(0, 2**32, 2 * n_completion, dtype="<u4")[::2]  # strided
+        logprobs = rng.random(n_completion).astype("<f4")
+        call = LlmCall("c", "p", 7, prompt, completion, logprobs, model="m", usage=Usage(1, 2, 3))
+        ev = Event("e", "r", 1, 2**50 + 3, call, producer="p")
+        data = CODEC.encode(ev)
+        assert data == CODEC.encode_dict("rollstream.Event", ev.to_avro())
+        assert CODEC.decode(data) == ev
+    n = 3 * edge
+    sample = Sample(
+        "s", "r", "g", "t", rng.integers(0, 2**32, n, dtype="<u4"), np.ones(n, "u1"),
+        rng.random(n).astype("<f4"), 0.5, 1.0, 3,
+        token_policy_versions=np.arange(n, dtype="<i8"),
+    )  # fmt: skip
+    assert CODEC.encode(sample) == CODEC.encode_dict("rollstream.Sample", sample.to_avro())
+
+
 def _raw(value: Any) -> bytes:
     return value.tobytes() if isinstance(value, np.ndarray) else bytes(value)
 

@@ -192,7 +192,7 @@ def test_context_module_is_pure() -> None:
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             imported.add(node.module.split(".")[0])
-    assert imported <= {"__future__", "collections", "typing", "numpy"}, imported
+    assert imported <= {"__future__", "collections", "threading", "typing", "numpy"}, imported
 
 
 def test_mixed_appends_and_rewinds_match_brute_force() -> None:
@@ -255,3 +255,37 @@ def test_strided_and_reused_caller_arrays() -> None:
     edited[12_345] += 1
     m = plain.match(edited)
     assert (m.parent_call_id, m.prefix_len) == ("c24", 12_345)
+
+
+def test_released_memory_is_reused_without_touching_live_tries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tries give their blocks back on release() and later tries take them: what a live trie
+    holds never changes, a released trie is empty and usable, the pool keeps at most its cap."""
+    from rollstream.producers import context
+
+    pool = context._BlockPool(keep_bytes=1 << 20)
+    monkeypatch.setattr(context, "_POOL", pool)
+    rng = np.random.default_rng(7)
+    convo = rng.integers(0, 50_000, 40_000, dtype=U32)
+    live = ContextTrie()
+    for i in range(10):
+        end = (i + 1) * 4_000
+        live.add(f"L{i}", convo[: end - 500], convo[end - 500 : end])
+        other = ContextTrie()  # fills blocks that earlier tries released, then releases them
+        noise = rng.integers(0, 50_000, 30_000, dtype=U32)
+        for j in range(1, 6):
+            other.add(f"o{j}", noise[: j * 6_000 - 100], noise[j * 6_000 - 100 : j * 6_000])
+        other.add("rewind", noise[:777], noise[5:9])  # the general path keeps its label too
+        assert np.array_equal(other.sequence("o5"), noise[:30_000])
+        before = pool.kept_bytes
+        other.release()
+        assert len(other) == 0 and pool.kept_bytes > before
+        assert pool.kept_bytes <= pool.keep_bytes
+    for i in range(10):
+        assert np.array_equal(live.sequence(f"L{i}"), convo[: (i + 1) * 4_000])
+    live.release()
+    assert len(live) == 0 and live.match(convo[:100]).parent_call_id is None
+    m = live.add("again", convo[:100], convo[100:110])  # a released trie records afresh
+    assert (m.parent_call_id, m.prefix_len) == (None, 0)
+    assert np.array_equal(live.sequence("again"), convo[:110])
