@@ -492,3 +492,22 @@ def test_failed_kafka_deliveries_spool_exactly_what_failed(tmp_path: Path) -> No
     left.close()
     assert [(r.topic, r.key, r.value, r.ts_ms) for r in records] == sent
     assert [r.uncertain for r in records] == [True, True, True, False, False]
+
+
+def test_bench_proxy_sink_transport_keeps_up_with_the_transport_protocol(tmp_path: Path) -> None:
+    """bench/bench_proxy.py records through its own SinkTransport; when the Transport protocol
+    changed, it went stale unnoticed (it acked with one argument) and the bench stopped."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "bench" / "bench_proxy.py"
+    spec = importlib.util.spec_from_file_location("bench_proxy_under_test", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    transport = bench.SinkTransport()
+    with Recorder(make_settings(tmp_path, spool_dir=None), transport=transport) as rec:
+        with rec.rollout(task_id="t", group_id="g") as r:
+            r.llm_call([1, 2, 3], [4, 5], [-0.1, -0.2])
+        assert rec.flush(5)
+        assert rec.stats.sent == 3 and rec.stats.failed == 0
+    assert transport.records == 3
