@@ -48,6 +48,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy schemas producers streams consumers infra
 
 clean:
 	-$(VENV)/bin/rollstream down

@@ -57,6 +57,7 @@ Errors::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import signal
@@ -644,12 +645,13 @@ class Sink:
         return {
             name: self._retrying(
                 f"verify of {batch.token}",
-                lambda name=name: ask(
-                    self._client, self.database, name, batch.topic, batch.partition, first, last
+                functools.partial(
+                    ask, self._client, self.database, name, batch.topic, batch.partition, first,
+                    last,
                 ),
             )
             for name in tables
-        }
+        }  # fmt: skip
 
     def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with backoff for ``sink_insert_retry_s`` on a transport failure (a

@@ -26,6 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "POM",
@@ -188,9 +189,10 @@ class KafkaBroker:
         """True when the broker answers a metadata request with itself as a broker."""
         from confluent_kafka.admin import AdminClient  # I/O edge
 
-        admin = AdminClient(
-            {"bootstrap.servers": self.bootstrap, "log_level": 0, "logger": _QuietLogger()}
-        )
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap, "log_level": 0, "logger": _QuietLogger(),
+        }  # fmt: skip
+        admin = AdminClient(conf)
         try:
             md = admin.list_topics(timeout=timeout)
         except Exception:
