@@ -3,7 +3,9 @@ direct, against the same instant backend, with the LiteLLM proxy as the anchor, 
 
 Processes (each its own interpreter, so the proxy is what is measured):
   fake backend   starlette + uvicorn; answers /v1/chat/completions (direct, LiteLLM) and the
-                 token-id /v1/completions (our proxy) at once with the same fixed reply
+                 token-id /v1/completions (our proxy) at once with the same fixed reply, or
+                 after --backend-ms (a model's time per call; calls overlap, as in a batching
+                 inference server), to see where the proxy stops being the bottleneck
   our proxy      rollstream's proxy (uvicorn, one worker) in front of the fake backend; every
                  call is rendered, tokenized, recorded as an LlmCall (in-memory transport, or a
                  real broker with --bootstrap) and answered
@@ -21,6 +23,7 @@ Medians over rounds. added_* = proxied - direct, per percentile.
 
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
+        [--backend-ms 0]
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- server modes
 
 
-def serve_fake(port: int, reply_ids: list[int]) -> None:
+def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -78,10 +81,14 @@ def serve_fake(port: int, reply_ids: list[int]) -> None:
 
     async def completions(request: Request) -> Response:
         await request.body()
+        if service_ms:  # a model's time per call; calls overlap, as in a batching server
+            await asyncio.sleep(service_ms / 1000)
         return Response(completion, media_type="application/json")
 
     async def chat_completions(request: Request) -> Response:
         await request.body()
+        if service_ms:
+            await asyncio.sleep(service_ms / 1000)
         return Response(chat, media_type="application/json")
 
     async def ok(request: Request) -> Response:
@@ -332,6 +339,8 @@ def main() -> None:
     ap.add_argument("--litellm", default=None)
     ap.add_argument("--bootstrap", default=None, help="record to this Kafka broker")
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--backend-ms", type=float, default=0.0,
+                    help="fake backend time per call (0: instant); calls overlap")  # fmt: skip
     ap.add_argument("--baseline-rev", default=None,
                     help="also measure the proxy of this git revision (e.g. HEAD)")  # fmt: skip
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
@@ -340,7 +349,8 @@ def main() -> None:
     ap.add_argument("--reply-ids", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_fake:
-        return serve_fake(args.serve_fake, [int(x) for x in args.reply_ids.split(",")])
+        return serve_fake(args.serve_fake, [int(x) for x in args.reply_ids.split(",")],
+                          args.backend_ms)  # fmt: skip
     if args.serve_proxy:
         return serve_proxy(args.serve_proxy, args.backend, args.model_path, args.bootstrap)
 
@@ -359,7 +369,8 @@ def main() -> None:
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
         me = [sys.executable, str(Path(__file__).resolve())]
         fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
-                      ",".join(map(str, reply_ids))], work / "fake.log")  # fmt: skip
+                      ",".join(map(str, reply_ids)), "--backend-ms", str(args.backend_ms)],
+                     work / "fake.log")  # fmt: skip
         proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
                        "--model-path", str(mpath)]
                       + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
@@ -444,7 +455,7 @@ def main() -> None:
 
     out: dict[str, Any] = {
         "streams": args.streams, "rate": args.rate, "duration_s": duration, "rounds": rounds,
-        "recording": "kafka" if args.bootstrap else "memory",
+        "recording": "kafka" if args.bootstrap else "memory", "backend_ms": args.backend_ms,
     }  # fmt: skip
     for target in targets:
         for mode in ("closed", "paced"):
