@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from _kafka_read import read_topic
 
 from rollstream.infra.kafka import KafkaBroker
 from rollstream.schemas import Codec, CommonSettings, LlmCall, PolicyVersion
@@ -20,24 +20,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _read_all(bootstrap: str, topic: str) -> list[bytes]:
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex, "enable.auto.commit": False}
-    )
-    md = consumer.list_topics(topic, timeout=10)
-    out: list[bytes] = []
-    for p in md.topics[topic].partitions:
-        lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-        if hi <= lo:
-            continue
-        consumer.assign([TopicPartition(topic, p, lo)])
-        while True:
-            msg = consumer.poll(5)
-            assert msg is not None, f"timed out reading {topic}[{p}]"
-            out.append(msg.value())
-            if msg.offset() >= hi - 1:
-                break
-    consumer.close()
-    return out
+    return [m.value() for m in read_topic({"bootstrap.servers": bootstrap}, topic)]
 
 
 def test_short_demo_closes_the_loop(kafka: KafkaBroker, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from _logged_process import LoggedProcess
@@ -16,7 +15,6 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from rollstream.consumers.analytics_server import AnalyticsClient
 from rollstream.infra.kafka import free_port
-from rollstream.infra.topics import watermarks
 from rollstream.producers.recorder import Recorder, RecorderSettings
 from rollstream.schemas import CommonSettings
 
@@ -108,34 +106,6 @@ def record_rollouts(
     finally:
         stats = rec.close()
     assert stats.dropped == 0 and stats.failed == 0, stats
-
-
-def read_topic(settings: CommonSettings, topic: str) -> list[Any]:
-    """Every message of a topic, up to the high watermarks seen now."""
-    consumer = Consumer(
-        {**settings.kafka_config(), "group.id": "it-read", "enable.auto.commit": False}
-    )
-    try:
-        md = consumer.list_topics(topic, timeout=10)
-        ends = {
-            p: watermarks(consumer, TopicPartition(topic, p), 30)[1]
-            for p in md.topics[topic].partitions
-        }
-        consumer.assign([TopicPartition(topic, p, 0) for p, end in ends.items() if end])
-        pending = {p for p, end in ends.items() if end}
-        out: list[Any] = []
-        deadline = time.monotonic() + 60
-        while pending and time.monotonic() < deadline:
-            for msg in consumer.consume(1000, 0.5):
-                p, offset = msg.partition(), msg.offset()
-                if msg.error() is None and p is not None and offset is not None:
-                    out.append(msg)
-                    if offset >= ends[p] - 1:
-                        pending.discard(p)
-        assert not pending, f"could not read {topic} to its end"
-        return out
-    finally:
-        consumer.close()
 
 
 def ends_of(settings: CommonSettings, topics: list[str]) -> dict[tuple[str, int], int]:

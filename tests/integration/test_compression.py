@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _kafka_read import read_topic
 from _processor_process import Worker, reading, sample_ids
-from _sink_process import SinkProcess, read_topic
+from _sink_process import SinkProcess
 
 from rollstream.producers.recorder import Recorder, RecorderSettings
 from rollstream.schemas import Codec, CommonSettings, Event, Sample

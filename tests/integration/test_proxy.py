@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from _kafka_read import read_topic
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -169,38 +168,11 @@ def create_rollout(url: str, **body: Any) -> dict[str, Any]:
 
 
 def consume(settings: CommonSettings, timeout: float = 60.0) -> list[Event]:
-    """Every event on the events topic (up to the high watermarks now), in offset order."""
-    topic = settings.topics().events
-    consumer = Consumer({**settings.kafka_config(), "group.id": f"it-{uuid.uuid4().hex}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})  # fmt: skip
-    try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        ends = {}
-        for p in parts:
-            for attempt in range(20):  # a loaded broker may still be electing leaders
-                try:
-                    low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), 30)
-                    break
-                except KafkaException:
-                    if attempt == 19:
-                        raise
-                    time.sleep(0.5)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-        out: list[Event] = []
-        deadline = time.monotonic() + timeout
-        while ends and time.monotonic() < deadline:
-            for msg in consumer.consume(1000, 1.0):
-                if msg.error():
-                    continue
-                out.append(codec.decode(msg.value()))
-                if msg.offset() >= ends.get(msg.partition(), 0) - 1:
-                    ends.pop(msg.partition(), None)
-        assert not ends, f"partitions not read to the end: {ends}"
-        return out
-    finally:
-        consumer.close()
+    """Every event on the events topic (up to the high watermarks now), each partition in offset
+    order."""
+    return [
+        codec.decode(m.value()) for m in read_topic(settings, settings.topics().events, timeout)
+    ]
 
 
 def by_rollout(events: list[Event]) -> dict[str, list[Event]]:

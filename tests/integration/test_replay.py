@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _kafka_read import read_topic
 from _sink_process import (
     Committed,
     SinkProcess,
     ends_of,
-    read_topic,
     record_rollouts,
     wait_committed,
 )

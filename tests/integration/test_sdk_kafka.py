@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from _kafka_read import read_topic
 
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.infra.topics import ensure_topics
@@ -34,39 +33,12 @@ def sdk_settings(common: CommonSettings, tmp_path: Path, **kw: object) -> Record
 
 def consume_all(settings: CommonSettings, timeout: float = 120.0) -> list[Event]:
     """Every record of the events topic, up to the high watermarks at call time."""
-    topic = settings.topics().events
-    consumer = Consumer(
-        {
-            **settings.kafka_config(),
-            "group.id": f"it-{uuid.uuid4().hex}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
-    )
-    try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        ends = {}
-        for p in parts:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-        out: list[Event] = []
-        deadline = time.monotonic() + timeout
-        while ends and time.monotonic() < deadline:
-            for msg in consumer.consume(1000, 1.0):
-                if msg.error():
-                    continue
-                event = codec.decode(msg.value())
-                assert msg.key() == event.rollout_id.encode()
-                out.append(event)
-                part, offset = msg.partition(), msg.offset()
-                if part is not None and offset is not None and offset >= ends.get(part, 0) - 1:
-                    ends.pop(part, None)
-        assert not ends, f"partitions not read to the end: {ends}"
-        return out
-    finally:
-        consumer.close()
+    out: list[Event] = []
+    for msg in read_topic(settings, settings.topics().events, timeout):
+        event = codec.decode(msg.value())
+        assert msg.key() == event.rollout_id.encode()
+        out.append(event)
+    return out
 
 
 def assert_exactly_once_in_order(events: list[Event], expected: int) -> None:

@@ -9,13 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from _kafka_read import read_topic
+from confluent_kafka import Producer
 
 from rollstream.consumers.checkpoint import CheckpointStore
 from rollstream.consumers.trainer import TrainerSettings, run
@@ -83,38 +82,6 @@ def produce(settings: CommonSettings, records: list[tuple[int, bytes]]) -> list[
         )
         producer.flush(30)  # one at a time: coords come back in produce order
     return coords
-
-
-def read_topic(settings: CommonSettings, topic: str, timeout: float = 30.0) -> list[Any]:
-    """Every message of ``topic`` up to its current end."""
-    consumer = Consumer(
-        {
-            **settings.kafka_config(),
-            "group.id": f"it-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-        }
-    )
-    try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        ends = {}
-        for p in parts:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
-        out = []
-        deadline = time.monotonic() + timeout
-        while ends and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            out.append(msg)
-            if (msg.offset() or 0) + 1 >= ends[msg.partition() or 0]:
-                del ends[msg.partition() or 0]
-        assert not ends, f"could not read all of {topic}"
-        return out
-    finally:
-        consumer.close()
 
 
 def policy_versions(settings: CommonSettings) -> list[PolicyVersion]:
