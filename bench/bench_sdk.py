@@ -265,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delta", type=int, default=2000)
     ap.add_argument("--completion", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--compression", default="none", help="comma list: none,lz4,zstd")
+    ap.add_argument(
+        "--compression",
+        default=RecorderSettings.model_fields["compression"].default,
+        help="comma list: none,lz4,zstd (default: the SDK's default)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.rollouts, args.rounds = 50, 3

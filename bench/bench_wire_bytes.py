@@ -10,8 +10,9 @@ Each turn the harness adds a user message of --turn-tokens tokens and the model 
              ~4 characters of text per token (typical of GPT/Qwen BPE on English); ChatML
              framing tokens around each message as in the real template
 Ours: every event the Recorder hands to Kafka for the rollout (RolloutStarted, 50 LlmCalls,
-RolloutFinished), Avro single-object encoded, key included: as sent with the SDK's default
-``compression="none"``, and as stored with ``compression="zstd"`` / ``"lz4"`` (each event
+RolloutFinished), Avro single-object encoded, key included: uncompressed
+(``compression="none"``), and as stored with ``compression="zstd"`` (the SDK's default) /
+``"lz4"`` (each event
 compressed alone, zstd level 3 / LZ4 frame as librdkafka does: a live rollout's events are
 seconds apart, so each is its own record batch; batch headers not counted). Logging proxy, per
 call: the request JSON (model, all messages so far) + the response JSON (the reply), and, since
@@ -165,7 +166,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--turn-tokens", type=int, default=200)
     args = ap.parse_args()
-    out: dict[str, Any] = {"turns": args.turns, "turn_tokens": args.turn_tokens}
+    default = RecorderSettings.model_fields["compression"].default
+    out: dict[str, Any] = {"turns": args.turns, "turn_tokens": args.turn_tokens,
+                           "sdk_default_compression": default}  # fmt: skip
     print(f"{'tokenizer':9} {'ours as':8} {'ours KB':>9} {'log KB':>9} {'ratio':>7} "
           f"{'log+lp KB':>10} {'ratio':>7}")  # fmt: skip
     for name, res in (("tiny", run_tiny(args.turns, args.turn_tokens)),
@@ -180,6 +183,8 @@ def main() -> None:
             tag = "" if comp == "none" else f"_{comp}"
             out |= {f"{name}_ours{tag}_bytes": ours, f"{name}_ratio{tag}": round(ratio, 2),
                     f"{name}_ratio{tag}_logprobs": round(ratio_lp, 2)}  # fmt: skip
+            if comp == default:
+                out[f"{name}_ratio_sdk_default"] = round(ratio, 2)
     print(json.dumps(out))
 
 

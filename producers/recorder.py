@@ -86,23 +86,25 @@ class RecorderUsageError(RecorderError, ValueError):
 class RecorderSettings(CommonSettings):
     """Settings of the harness SDK (ROLLSTREAM_ prefix, see docs/configuration.md)."""
 
-    producer: str = Field(default_factory=lambda: f"sdk@{socket.gethostname()}")
-    queue_size: int = 10_000
-    spool_dir: Path | None = Path(".rollstream/spool")
-    spool_fsync: Literal["always", "interval", "never"] = "interval"
-    spool_fsync_interval_ms: int = 200
-    spool_segment_bytes: int = 64 << 20
-    linger_ms: float = 5.0
-    batch_size: int = 1_000_000
-    compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "none"
-    message_timeout_ms: int = 300_000
-    max_message_bytes: int = 16_000_000
-    client_buffer_kbytes: int = 262_144
-    degrade_after_s: float = 10.0
-    probe_interval_s: float = 1.0
-    close_timeout_s: float = 30.0
-    max_tool_result_chars: int = 65_536
-    producer_options: dict[str, str] = Field(default_factory=dict)
+    producer: str = Field(default_factory=lambda: f"sdk@{socket.gethostname()}")  # Event.producer
+    queue_size: int = 10_000  # events held in memory before new ones go to the spool
+    spool_dir: Path | None = Path(".rollstream/spool")  # where events wait while Kafka is down
+    spool_fsync: Literal["always", "interval", "never"] = "interval"  # when the spool fsyncs
+    spool_fsync_interval_ms: int = 200  # with spool_fsync=interval
+    spool_segment_bytes: int = 64 << 20  # spool file size before the next segment
+    linger_ms: float = 5.0  # librdkafka linger.ms
+    batch_size: int = 1_000_000  # librdkafka batch.size (bytes)
+    # zstd: events are kept for good (replay) and token IDs compress well; the broker's CPU per
+    # event drops with its bytes; costs CPU in librdkafka's own threads (off the GIL)
+    compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "zstd"  # compression.type
+    message_timeout_ms: int = 300_000  # a message not acknowledged by then is spooled again
+    max_message_bytes: int = 16_000_000  # librdkafka message.max.bytes
+    client_buffer_kbytes: int = 262_144  # librdkafka queue.buffering.max.kbytes
+    degrade_after_s: float = 10.0  # nothing acknowledged this long: spool until Kafka is back
+    probe_interval_s: float = 1.0  # how often a degraded recorder checks for Kafka
+    close_timeout_s: float = 30.0  # close() delivers for this long, then spools the rest
+    max_tool_result_chars: int = 65_536  # longer tool results are cut (result_truncated)
+    producer_options: dict[str, str] = Field(default_factory=dict)  # extra librdkafka settings
 
 
 def kafka_producer_options(settings: RecorderSettings) -> dict[str, Any]:
