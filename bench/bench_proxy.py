@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,17 +80,16 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
         "usage": {"prompt_tokens": 1, "completion_tokens": len(reply_ids), "total_tokens": 9},
     }).encode()  # fmt: skip
 
-    async def completions(request: Request) -> Response:
-        await request.body()
-        if service_ms:  # a model's time per call; calls overlap, as in a batching server
-            await asyncio.sleep(service_ms / 1000)
-        return Response(completion, media_type="application/json")
+    def answer(payload: bytes) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            await request.body()
+            if service_ms:  # a model's time per call; calls overlap, as in a batching server
+                await asyncio.sleep(service_ms / 1000)
+            return Response(payload, media_type="application/json")
 
-    async def chat_completions(request: Request) -> Response:
-        await request.body()
-        if service_ms:
-            await asyncio.sleep(service_ms / 1000)
-        return Response(chat, media_type="application/json")
+        return endpoint
+
+    completions, chat_completions = answer(completion), answer(chat)
 
     async def ok(request: Request) -> Response:
         return Response(b'{"policy_version": 0}', media_type="application/json")
