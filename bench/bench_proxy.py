@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,7 @@ class SinkTransport:
 
     def __init__(self) -> None:
         self.records = self.bytes = 0
-        self._acks: list[Any] = []
+        self._acks: deque[Any] = deque()  # produce (any thread) appends, poll pops: no lost ack
 
     def produce(self, topic: str, key: bytes, value: bytes, on_delivery: Any, *,
                 timestamp_ms: int | None = None) -> None:  # fmt: skip
@@ -140,12 +141,13 @@ class SinkTransport:
         self._acks.append(on_delivery)
 
     def poll(self, timeout: float = 0.0) -> int:
-        acks, self._acks = self._acks, []
-        for ack in acks:
-            ack(None, None)  # (error, message), as the Kafka client reports
-        if not acks and timeout > 0:
+        n = 0
+        while self._acks:
+            self._acks.popleft()(None, None)  # (error, message), as the Kafka client reports
+            n += 1
+        if not n and timeout > 0:
             time.sleep(timeout)
-        return len(acks)
+        return n
 
     def flush(self, timeout: float) -> int:
         self.poll()
@@ -155,7 +157,7 @@ class SinkTransport:
         raise AssertionError(f"SinkTransport never fails a delivery, got {err!r}")
 
     def purge(self) -> None:
-        self._acks = []
+        self._acks.clear()
 
     def reachable(self, topic: str, timeout: float) -> bool:
         return True

@@ -128,11 +128,13 @@ class CpuMeter:
         self.broker_pid = broker_pid
         self.totals: dict[str, list[float]] = {}
         self.gc_runs: list[list[int]] = []  # collections of generation 0, 1, 2 per run
+        self.gc_ms: list[list[float]] = []  # their pauses (ms) by generation, per run
 
     def start(self, delivery_tid: int | None = None) -> None:
         self._tid = delivery_tid
         self._gc_ns = 0
         self._gc_runs = [0, 0, 0]
+        self._gc_gen_ns = [0, 0, 0]
         gc.callbacks.append(self._on_gc)
         self._t0 = thread_cpu(delivery_tid)
         self._b0 = _cpu_s(f"/proc/{self.broker_pid}/stat") if self.broker_pid else 0.0
@@ -142,8 +144,10 @@ class CpuMeter:
         if phase == "start":
             self._gc_t0 = time.perf_counter_ns()
         else:
-            self._gc_ns += time.perf_counter_ns() - self._gc_t0
+            took = time.perf_counter_ns() - self._gc_t0
+            self._gc_ns += took
             self._gc_runs[info["generation"]] += 1
+            self._gc_gen_ns[info["generation"]] += took
 
     def stop(self, events: int) -> None:
         gc.callbacks.remove(self._on_gc)
@@ -160,6 +164,7 @@ class CpuMeter:
         for k, v in used.items():
             self.totals.setdefault(k, []).append(1e6 * v / events)
         self.gc_runs.append(self._gc_runs)
+        self.gc_ms.append([round(ns / 1e6, 1) for ns in self._gc_gen_ns])
 
     def medians(self) -> dict[str, float]:
         return {k: round(statistics.median(v), 1) for k, v in self.totals.items() if any(v)}
@@ -262,6 +267,7 @@ def compare(
         "sdk_cpu_us_per_event": sdk_cpu.medians(),
         "bare_cpu_us_per_event": bare_cpu.medians(),
         "sdk_gc_runs_by_generation": sdk_cpu.gc_runs,
+        "sdk_gc_pause_ms_by_generation": sdk_cpu.gc_ms,
     }
 
 

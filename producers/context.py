@@ -26,7 +26,10 @@ conversation) the new call is just a new leaf below it. An append-only turn thus
 memcmp plus O(new tokens), whatever the depth.
 
 Memory: edge labels are views into the trie's own arena of token blocks, and the last sequence's
-buffer is such a block too. Blocks come from, and go back to, one process-wide pool of free
+buffer is such a block too. An appended leaf's label is a view into that buffer itself (its tokens
+are written once, where the sequence needs them anyway); when a rewind rewrites the buffer, the
+labels that still view it are copied into the arena first, and a buffer outgrown while labels view
+it stays in the arena. Blocks come from, and go back to, one process-wide pool of free
 blocks (``release()``, which the Recorder calls when a rollout finishes; a grown buffer's old
 block goes back at once). A rollout's tokens thus reuse memory the process already touched:
 fresh memory for them, handed back to the OS at the end of every rollout, cost ~100 page faults
@@ -133,6 +136,7 @@ class _BlockPool:
 _POOL = _BlockPool()
 _EMPTY: _Block = (bytearray(), np.zeros(0, _U32))
 _ARENA_MAX = 1 << 18  # tokens per arena block (1 MB); a longer label gets a block of its own
+_NONE_SHARED = 1 << 62  # no label views the sequence buffer
 
 
 class _Node:
@@ -173,6 +177,7 @@ class ContextTrie:
         # its full sequence as uint32 bytes in _buf[: 4 * _buf_len]; _tokens: the same memory
         self._buf, self._tokens = _EMPTY
         self._buf_len = 0
+        self._shared_from = _NONE_SHARED  # labels view the buffer from this token on
         self._blocks: list[_Block] = []  # the arena: edge labels are views into these blocks
         self._arena = _EMPTY[1]  # the block being filled, from _arena_pos on
         self._arena_pos = 0
@@ -261,19 +266,37 @@ class ContextTrie:
     def _store(self, start: int, tokens: Tokens, more: Tokens | None = None) -> None:
         """Write ``tokens`` (then ``more``) into the buffer from token ``start`` on. The buffer
         doubles when full, so an append-only turn copies only its new tokens; what lies past
-        ``_buf_len`` is stale and never read."""
+        ``_buf_len`` is stale and never read. Labels may view the buffer from ``_shared_from``
+        to ``_buf_len``: a write below ``_buf_len`` (a rewind) moves them to the arena first,
+        and an outgrown buffer they view joins the arena instead of the pool."""
+        if start < self._buf_len and self._shared_from < self._buf_len:
+            self._unshare()
         mid = start + len(tokens)
         end = mid + (0 if more is None else len(more))
         if end > len(self._tokens):  # the numpy view pins the bytearray: grow by replacing
             grown, view = _POOL.take(max(end, 2 * len(self._tokens)))
             view[:start] = self._tokens[:start]
-            if len(self._tokens):
+            if self._shared_from < start:
+                self._blocks.append((self._buf, self._tokens))
+            elif len(self._tokens):
                 _POOL.give((self._buf, self._tokens))
             self._buf, self._tokens = grown, view
+            self._shared_from = _NONE_SHARED
         self._tokens[start:mid] = tokens
         if more is not None:
             self._tokens[mid:end] = more
         self._buf_len = end
+
+    def _unshare(self) -> None:
+        """Copy the labels that view the sequence buffer into the arena. They all lie on the
+        path of the most recent call (only appended leaves view it, and the spine moves off
+        them only through a rewind, which calls this), below ``_shared_from``."""
+        node, buf = self._last, self._tokens
+        while node is not None and node.depth > self._shared_from:
+            if node.label.base is buf:
+                node.label = self._keep(node.label)
+            node = node.parent
+        self._shared_from = _NONE_SHARED
 
     def match(self, prompt_ids: Any) -> ContextMatch:
         """The parent call and shared prefix for ``prompt_ids``, without recording anything."""
@@ -328,14 +351,16 @@ class ContextTrie:
         last, n = self._last, self._buf_len
         assert last is not None and last.depth == n
         result = self._result((last, len(last.label)), n, prompt)
-        rest = self._keep(result.prompt_delta, completion)
-        leaf = _Node(rest, last, n + len(rest))
+        self._store(n, result.prompt_delta, completion)
+        rest = self._tokens[n : self._buf_len]  # the label is the buffer's own new tokens
+        if n < self._shared_from:
+            self._shared_from = n
+        leaf = _Node(rest, last, self._buf_len)
         leaf.epoch = self._epoch  # on the spine, below the previous call's node
         last.children[int(rest[0])] = leaf
         self._ends[call_id] = leaf
         self._last_id = call_id
         self._last = leaf
-        self._store(n, rest)
         return result
 
     def add_delta(

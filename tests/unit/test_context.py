@@ -195,15 +195,18 @@ def test_context_module_is_pure() -> None:
     assert imported <= {"__future__", "collections", "threading", "typing", "numpy"}, imported
 
 
-def test_mixed_appends_and_rewinds_match_brute_force() -> None:
+@pytest.mark.parametrize(("scale", "trials"), [(1, 100), (700, 6)])
+def test_mixed_appends_and_rewinds_match_brute_force(scale: int, trials: int) -> None:
     """Mostly appends to the last call (the fast path) mixed with rewinds into any earlier call,
-    over a tiny alphabet so prefixes collide often."""
+    over a tiny alphabet so prefixes collide often. At scale 700 turns run to thousands of
+    tokens: the sequence buffer grows while appended labels view it, and rewinds rewrite it
+    (a label left viewing it would change an earlier call's sequence)."""
     rng = np.random.default_rng(5)
 
     def noise(hi: int) -> np.ndarray:
-        return rng.integers(0, 3, rng.integers(0, hi), dtype=U32)
+        return rng.integers(0, 3, rng.integers(0, hi * scale), dtype=U32)
 
-    for _ in range(100):
+    for _ in range(trials):
         trie = ContextTrie()
         calls: list[tuple[str, np.ndarray]] = []
         for i in range(25):

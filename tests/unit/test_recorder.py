@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -264,6 +265,49 @@ def test_queue_overflow_spools_and_keeps_order(tmp_path: Path) -> None:
     stats = recorder.close()
     assert stats.spooled > 0
     assert_exactly_once_in_order(consumed(transport), 4 * 5 * 30)
+
+
+def test_submit_hands_over_in_the_callers_thread_then_queues_behind_a_full_client(
+    tmp_path: Path,
+) -> None:
+    """While nothing waits, ``submit`` hands the event to the client itself (no queue hop, no
+    wake-up of the thread); while the client's buffer is full, events queue and the thread
+    hands them over in order, later events staying behind them; a failed delivery stops the
+    direct hand-over until it is settled (spooled, re-sent): nothing overtakes it."""
+
+    class Gated(MemoryTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.full = False
+            self.callers: set[int] = set()
+
+        def produce(self, *args: Any, **kwargs: Any) -> None:
+            if self.full:
+                raise BufferError("full")
+            self.callers.add(threading.get_ident())
+            super().produce(*args, **kwargs)
+
+    transport = Gated()
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    r = recorder.rollout(task_id="t", group_id="g")
+    r.reward(1.0, "partial")
+    assert transport.callers == {threading.get_ident()} and recorder.stats.queued == 0
+    transport.full = True
+    for i in range(20):
+        r.reward(float(i), "partial")
+    assert recorder.stats.queued == 20  # the thread keeps trying; nothing got past the gate
+    transport.full = False
+    for i in range(20):
+        r.reward(float(i), "partial")
+    r.finish()
+    assert recorder.flush(10)
+    assert recorder.delivery._thread.ident in transport.callers  # the queue went via the thread
+    transport.fail_next(1)  # a delivery fails: the events after it must not overtake it
+    record_rollouts(recorder, 2, 20, "x")
+    assert recorder.flush(10)
+    stats = recorder.close()
+    assert stats.sent == 43 + 40 and stats.spooled >= 1
+    assert_exactly_once_in_order(consumed(transport), 43 + 40)
 
 
 def test_without_a_spool_the_client_buffers_then_drops_and_counts(tmp_path: Path) -> None:
