@@ -5,7 +5,10 @@ Processes (each its own interpreter, so the proxy is what is measured):
   fake backend   starlette + uvicorn; answers /v1/chat/completions (direct, LiteLLM) and the
                  token-id /v1/completions (our proxy) at once with the same fixed reply, or
                  after --backend-ms (a model's time per call; calls overlap, as in a batching
-                 inference server), to see where the proxy stops being the bottleneck
+                 inference server), to see where the proxy stops being the bottleneck;
+                 or, with --backend-server reference, `rollstream serve-model` with the tiny
+                 torch model (greedy, 16 tokens): direct and LiteLLM send it chat, the proxy
+                 token ids
   our proxy      rollstream's proxy (uvicorn, one worker) in front of the fake backend; every
                  call is rendered, tokenized, recorded as an LlmCall (in-memory transport, or a
                  real broker with --bootstrap) and answered
@@ -23,7 +26,7 @@ Medians over rounds. added_* = proxied - direct, per percentile.
 
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
-        [--backend-ms 0]
+        [--backend-ms 0] [--backend-server fake|reference]
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -213,6 +216,8 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
 class Stream:
     """One keep-alive HTTP/1.1 connection playing a multi-turn chat."""
 
+    extra: ClassVar[dict[str, Any]] = {}  # more body fields for every call
+
     def __init__(self, host: str, port: int, path: str, token: str, index: int) -> None:
         self.host, self.port, self.path, self.token, self.index = host, port, path, token, index
         self.turn = 0
@@ -226,7 +231,8 @@ class Stream:
                 {"role": "system", "content": "You are a concise assistant."},
                 {"role": "user", "content": f"Question {self.index}: what is up?"},
             ]
-        return json.dumps({"model": "fake", "messages": self.messages, "max_tokens": 16}).encode()
+        return json.dumps({"model": "fake", "messages": self.messages, "max_tokens": 16,
+                           **self.extra}).encode()  # fmt: skip
 
     async def call(self) -> float:
         if self.writer is None:
@@ -254,7 +260,8 @@ class Stream:
         elapsed = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {payload[:300]!r}")
-        self.messages += [{"role": "assistant", "content": REPLY},
+        reply = json.loads(payload)["choices"][0]["message"]["content"]  # what came back
+        self.messages += [{"role": "assistant", "content": reply},
                           {"role": "user", "content": f"And then ({self.turn})?"}]  # fmt: skip
         self.turn += 1
         return elapsed
@@ -341,6 +348,9 @@ def main() -> None:
     ap.add_argument("--litellm", default=None)
     ap.add_argument("--bootstrap", default=None, help="record to this Kafka broker")
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--backend-server", choices=["fake", "reference"], default="fake",
+                    help="fake: fixed reply (after --backend-ms); reference: `rollstream "
+                         "serve-model` with the tiny model (greedy, 16 tokens)")  # fmt: skip
     ap.add_argument("--backend-ms", type=float, default=0.0,
                     help="fake backend time per call (0: instant); calls overlap")  # fmt: skip
     ap.add_argument("--baseline-rev", default=None,
@@ -370,9 +380,16 @@ def main() -> None:
         chat = ChatTemplate.from_dir(mpath)
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
         me = [sys.executable, str(Path(__file__).resolve())]
-        fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
-                      ",".join(map(str, reply_ids)), "--backend-ms", str(args.backend_ms)],
-                     work / "fake.log")  # fmt: skip
+        if args.backend_server == "reference":  # the real tiny model, answering both APIs
+            cli = str(Path(sys.executable).with_name("rollstream"))
+            env = {**os.environ, "ROLLSTREAM_MODEL_NAME": "fake"}  # the name clients ask for
+            fake = spawn([cli, "serve-model", "--port", str(fport), "--model", str(mpath)],
+                         work / "fake.log", env)  # fmt: skip
+            Stream.extra = {"temperature": 0}  # greedy: the same tokens whichever way in
+        else:
+            fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
+                          ",".join(map(str, reply_ids)), "--backend-ms", str(args.backend_ms)],
+                         work / "fake.log")  # fmt: skip
         proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
                        "--model-path", str(mpath)]
                       + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
@@ -387,7 +404,7 @@ def main() -> None:
                          work / "baseline.log", env)  # fmt: skip
         procs = [p for p in (fake, proxy, base, lite) if p is not None]
         try:
-            assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "fake backend"
+            assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 120), "backend"
             ok = wait_http(f"http://127.0.0.1:{pport}/health", proxy, 90)
             assert ok, (work / "proxy.log").read_text()[-2000:]
             targets = {"direct": fport, "proxy": pport}
@@ -458,6 +475,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "streams": args.streams, "rate": args.rate, "duration_s": duration, "rounds": rounds,
         "recording": "kafka" if args.bootstrap else "memory", "backend_ms": args.backend_ms,
+        "backend_server": args.backend_server,
     }  # fmt: skip
     for target in targets:
         for mode in ("closed", "paced"):

@@ -314,6 +314,31 @@ def _prompts(body: dict[str, Any], engine: _Engine) -> list[list[int]]:
     return prompts
 
 
+def _chat_prompt(body: dict[str, Any], engine: _Engine, model_name: str) -> list[int]:
+    """The token ids of a chat request's messages, rendered with the model's template."""
+    if body.get("model") not in (None, model_name):
+        msg = f"The model `{body['model']}` does not exist."
+        raise RequestRefused(msg, status=404, param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused("`messages` must be a non-empty list", param="messages")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):  # fmt: skip
+            raise RequestRefused(
+                "each message needs a string `role` and a string `content`", param="messages"
+            )
+    if body.get("tools"):
+        raise RequestRefused("`tools` is not supported by the reference server's chat route",
+                             param="tools")  # fmt: skip
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = [int(t) for t in tok.encode(text, add_special_tokens=False)]
+    if max(prompt) >= engine.vocab:
+        raise RequestRefused(f"token id out of range [0, {engine.vocab})", param="messages")
+    return prompt
+
+
 def _sampling(body: dict[str, Any], max_len: int, longest: int, seed: int) -> SamplingParams:
     if (n := _num(body, "n", 1)) != 1:
         raise RequestRefused(f"only n=1 is supported, got {n}", param="n")
@@ -445,6 +470,32 @@ class _Api:
             "policy_version": min(v for _, v in outs),
         })  # fmt: skip
 
+    async def chat_completions(self, request: Request) -> Response:
+        """Plain chat (vLLM's route, without streaming, tools or multiple choices): the messages
+        rendered with the model's chat template, one completion, its text as the reply. For
+        harnesses and proxies that speak chat to the backend (LiteLLM, a direct baseline); the
+        recording proxy sends token ids to /v1/completions instead."""
+        sched = self.live()
+        sched.arriving += 1
+        try:
+            body = await _json(request, self.settings.model_max_request_bytes)
+            prompt = _chat_prompt(body, self.engine, self.settings.model_name)
+            params = _sampling(body, self.engine.max_len, len(prompt), self.seeds.getrandbits(63))
+        finally:
+            sched.arriving -= 1
+        result, version = await sched.submit(prompt, params)
+        text = str(self.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True))
+        n_out = len(result.token_ids)
+        return JSONResponse({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": self.settings.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": result.finish_reason}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                      "total_tokens": len(prompt) + n_out},
+            "policy_version": version,
+        })  # fmt: skip
+
     async def models(self, request: Request) -> Response:
         self.live()
         e = self.engine
@@ -560,6 +611,7 @@ def create_app(settings: ModelServerSettings) -> Starlette:
         Route(path, _guard(handler), methods=methods)
         for path, handler, methods in [
             ("/v1/completions", api.completions, post),
+            ("/v1/chat/completions", api.chat_completions, post),
             ("/v1/models", api.models, get),
             ("/health", api.health, get),
             ("/v1/policy_version", api.policy_version, get),

@@ -24,6 +24,7 @@ from rollstream.producers.backends import (
     BackendUnavailable,
     CompletionBackend,
 )
+from rollstream.producers.chat import ChatTemplate
 from rollstream.producers.model_server import ModelServerSettings, create_app
 from rollstream.producers.tinymodel import (
     apply_state_dict,
@@ -143,6 +144,37 @@ def test_bad_requests_get_openai_errors(server: Server, body: dict, status: int)
     assert r.status_code == status
     err = r.json()["error"]
     assert err["code"] == status and err["message"]
+
+
+def test_chat_route_renders_the_template_and_answers_like_the_token_route(server: Server) -> None:
+    """/v1/chat/completions (for LiteLLM and direct baselines) = the chat template's ids sent
+    to /v1/completions: same greedy tokens, same text, OpenAI's chat shape; bad input 4xx."""
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is up?"}]  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "max_tokens": 5, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion" and data["model"] == "rollstream-tiny"
+    choice = data["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length")
+    _, tok = load_model(server.model_path)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == ChatTemplate.from_dir(server.model_path).encode(text).tolist()  # the proxy's
+    same = _post(server.url, {"prompt": list(ids), "max_tokens": 5, "temperature": 0,
+                              "return_token_ids": True}).json()["choices"][0]  # fmt: skip
+    assert choice["message"]["content"] == same["text"]
+    assert data["usage"]["prompt_tokens"] == len(ids)
+    assert data["usage"]["completion_tokens"] == len(same["token_ids"])
+    for bad, status in [({"messages": []}, 400), ({"messages": [{"role": "user"}]}, 400),
+                        ({"messages": messages, "tools": [{"type": "function"}]}, 400),
+                        ({"messages": messages, "stream": True}, 400),
+                        ({"messages": messages, "model": "gpt-9"}, 404)]:  # fmt: skip
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=bad, timeout=60)
+        assert r.status_code == status, (bad, r.text)
+        assert r.json()["error"]["message"]
 
 
 # --------------------------------------------------------------------------- the adapter
