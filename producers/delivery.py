@@ -317,14 +317,15 @@ class Delivery:
         harness never pays for waking this thread (a wake per event costs more than the whole
         event: every handover of the GIL is a context switch). After ``_NAP_FOR_S`` without
         events, sleep until woken: ``submit`` wakes the thread only in that state. The flag is
-        set BEFORE the queue is checked and read by ``submit`` AFTER its append, so one of the
-        two always sees the other: no event waits for the long timeout."""
+        set BEFORE the queue and the client's pending messages are checked and read by
+        ``submit`` AFTER its append or hand-over, so one of the two always sees the other: no
+        event (and no delivery report) waits for the long timeout."""
         if now - self._active_at < _NAP_FOR_S:
             time.sleep(_LINGER_S)
             return
         self._asleep = True
-        try:
-            if not self._queue:
+        try:  # submit hands over (or queues) and THEN reads the flag: one side sees the other
+            if not self._queue and not self._pending:
                 self._wake.wait(0.05)
         finally:
             self._asleep = False
