@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -135,9 +136,12 @@ class Delivery:
         self._to_spool = bool(spool is not None and spool.backlog)
         self._state = DEGRADED if self._to_spool else HEALTHY
         self._next_probe = 0.0
-        # handed to the client, no report yet: id(item) -> its report callback (a partial over
-        # item and spool record: the only per-message object; the client calls it directly)
+        # handed to the client, no report yet: a number -> its report callback (a partial over
+        # the number, the record's fields and its spool record: the only per-message object the
+        # cyclic GC tracks for long; its arguments are atomic, so their tuple is untracked at
+        # the first collection). The client calls it directly.
         self._pending: dict[int, functools.partial[None]] = {}
+        self._numbers = itertools.count()  # next() is atomic: both threads hand over
         self._busy_since = 0.0  # when _pending last became non-empty
         self._report = self._on_report  # bound once: a partial over it is made per message
         self._failures: list[_Failure] = []
@@ -159,7 +163,7 @@ class Delivery:
 
     def submit(self, topic: str, key: bytes, value: bytes, timestamp_ms: int | None = None) -> None:
         """Hand over one record. Never blocks on the network, never raises."""
-        item = SpoolItem(topic, key, value, timestamp_ms or int(time.time() * 1000))
+        ts_ms = timestamp_ms or int(time.time() * 1000)
         with self._lock:
             self._submitted += 1
             if self._closed:
@@ -171,12 +175,16 @@ class Delivery:
             if not self._to_spool:
                 # the usual case: nothing waits in front of it, so this thread hands it to the
                 # client itself (non-blocking; False when the client's buffer is full)
-                if not self._queue and not self._failures and self._produce(item, None):
+                if (
+                    not self._queue
+                    and not self._failures
+                    and self._produce(topic, key, value, ts_ms, None)
+                ):
                     if self._asleep:  # its report needs the thread's poll (see _idle_wait)
                         self._wake.set()
                     return
                 if len(self._queue) < self.queue_size:
-                    self._queue.append(item)
+                    self._queue.append(SpoolItem(topic, key, value, ts_ms))
                     if self._asleep:  # read after the append: see _idle_wait
                         self._wake.set()
                     return
@@ -186,7 +194,7 @@ class Delivery:
                     self.queue_size,
                     self._where(),
                 )
-            self._spool_locked([item], front=False)
+            self._spool_locked([SpoolItem(topic, key, value, ts_ms)], front=False)
 
     def _spool_locked(self, items: list[SpoolItem], *, front: bool) -> bool:
         if self.spool is None or self.spool.closed:
@@ -405,7 +413,8 @@ class Delivery:
             if self._queue:
                 # peek, then pop once handed over: never out of both the queue and the client
                 # (flush() would see "idle" in between); only this thread pops
-                if not self._produce(self._queue[0], None):
+                item = self._queue[0]
+                if not self._produce(item.topic, item.key, item.value, item.ts_ms, None):
                     self.transport.poll(0.001)  # the client's buffer is full: serve reports
                     break
                 self._queue.popleft()
@@ -421,7 +430,7 @@ class Delivery:
                             self.spool.ack(rec)
                             self._deduplicated += 1
                             continue
-                    if not self._produce(rec.item(), rec):
+                    if not self._produce(rec.topic, rec.key, rec.value, rec.ts_ms, rec):
                         self.spool.rewind(rec)
                         self.transport.poll(0.001)
                         return moved + i
@@ -435,33 +444,41 @@ class Delivery:
             break
         return moved
 
-    def _produce(self, item: SpoolItem, record: SpoolRecord | None) -> bool:
+    def _produce(
+        self, topic: str, key: bytes, value: bytes, ts_ms: int, record: SpoolRecord | None
+    ) -> bool:
         """Hand one message to the client; False when its buffer is full (try again later).
         Never blocks: ``submit`` calls it from the harness's thread (holding the lock)."""
-        report = functools.partial(self._report, item, record)
+        n = next(self._numbers)
+        report = functools.partial(self._report, n, topic, key, value, ts_ms, record)
         if not self._pending:
             self._busy_since = self._now
-        key = id(item)  # unique while pending: the dict holds the item (via the partial)
-        self._pending[key] = report  # before the hand-over: flush() always sees it somewhere
+        self._pending[n] = report  # before the hand-over: flush() always sees it somewhere
         try:
-            self.transport.produce(
-                item.topic, item.key, item.value, report, timestamp_ms=item.ts_ms
-            )
+            self.transport.produce(topic, key, value, report, timestamp_ms=ts_ms)
         except BufferError:
-            del self._pending[key]
+            del self._pending[n]
             return False
         except Exception as exc:  # rejected outright (bad argument, too large): for good
-            if self._pending.pop(key, None) is not None:
+            if self._pending.pop(n, None) is not None:
+                item = SpoolItem(topic, key, value, ts_ms)
                 self._reject(item, record, f"{type(exc).__name__}: {exc}")
         return True
 
     def _on_report(
-        self, item: SpoolItem, record: SpoolRecord | None, err: object, _msg: object
+        self,
+        n: int,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        ts_ms: int,
+        record: SpoolRecord | None,
+        err: object,
+        _msg: object,
     ) -> None:
-        """The client's delivery report of ``item`` (``record``: where it came from in the
-        spool); ``err`` is the client's error, None when acknowledged."""
-        key = id(item)  # the item is alive (this partial holds it): no other object has its id
-        if key not in self._pending:
+        """The client's delivery report of message ``n`` (``record``: where it came from in
+        the spool); ``err`` is the client's error, None when acknowledged."""
+        if n not in self._pending:
             return  # settled already: the close path gave up waiting for this report
         try:
             if err is None:
@@ -470,9 +487,10 @@ class Delivery:
                 if record is not None and self.spool is not None:
                     self.spool.ack(record)
             else:
+                item = SpoolItem(topic, key, value, ts_ms)
                 self._settle_failure(item, record, self.transport.describe(err))
         finally:
-            del self._pending[key]  # after it is counted or queued for the spool
+            del self._pending[n]  # after it is counted or queued for the spool
 
     def _settle_failure(
         self, item: SpoolItem, record: SpoolRecord | None, err: DeliveryError
@@ -510,7 +528,8 @@ class Delivery:
             if self._pending:  # the client never answered: treat them as failed (uncertain)
                 unanswered = DeliveryError("_UNANSWERED", "no report after purge")
                 for report in list(self._pending.values()):
-                    item, record = report.args
+                    _, topic, key, value, ts_ms, record = report.args
+                    item = SpoolItem(topic, key, value, ts_ms)
                     self._settle_failure(item, record, unanswered)
                 self._pending.clear()
         self._settle()
