@@ -306,19 +306,27 @@ def _prompts(body: dict[str, Any], engine: _Engine) -> list[list[int]]:
             ids = item
         else:
             raise RequestRefused("`prompt` must hold token ids or strings", param="prompt")
-        if not ids:
-            raise RequestRefused("empty prompt", param="prompt")
-        if min(ids) < 0 or max(ids) >= engine.vocab:
-            raise RequestRefused(f"token id out of range [0, {engine.vocab})", param="prompt")
-        prompts.append(ids)
+        prompts.append(_checked_ids(ids, engine, "prompt"))
     return prompts
+
+
+def _checked_ids(ids: list[int], engine: _Engine, param: str) -> list[int]:
+    if not ids:
+        raise RequestRefused("empty prompt", param=param)
+    if min(ids) < 0 or max(ids) >= engine.vocab:
+        raise RequestRefused(f"token id out of range [0, {engine.vocab})", param=param)
+    return ids
+
+
+def _check_model(body: dict[str, Any], model_name: str) -> None:
+    if body.get("model") not in (None, model_name):
+        msg = f"The model `{body['model']}` does not exist."
+        raise RequestRefused(msg, status=404, param="model")
 
 
 def _chat_prompt(body: dict[str, Any], engine: _Engine, model_name: str) -> list[int]:
     """The token ids of a chat request's messages, rendered with the model's template."""
-    if body.get("model") not in (None, model_name):
-        msg = f"The model `{body['model']}` does not exist."
-        raise RequestRefused(msg, status=404, param="model")
+    _check_model(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestRefused("`messages` must be a non-empty list", param="messages")
@@ -334,9 +342,7 @@ def _chat_prompt(body: dict[str, Any], engine: _Engine, model_name: str) -> list
     tok = engine.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = [int(t) for t in tok.encode(text, add_special_tokens=False)]
-    if max(prompt) >= engine.vocab:
-        raise RequestRefused(f"token id out of range [0, {engine.vocab})", param="messages")
-    return prompt
+    return _checked_ids(prompt, engine, "messages")
 
 
 def _sampling(body: dict[str, Any], max_len: int, longest: int, seed: int) -> SamplingParams:
@@ -429,9 +435,7 @@ class _Api:
     ) -> tuple[list[list[int]], SamplingParams, dict[str, Any]]:
         engine = self.engine
         body = await _json(request, self.settings.model_max_request_bytes)
-        if body.get("model") not in (None, self.settings.model_name):
-            msg = f"The model `{body['model']}` does not exist."
-            raise RequestRefused(msg, status=404, param="model")
+        _check_model(body, self.settings.model_name)
         prompts = _prompts(body, engine)
         longest = max(len(p) for p in prompts)
         params = _sampling(body, engine.max_len, longest, self.seeds.getrandbits(63))

@@ -102,10 +102,6 @@ class SpoolRecord:
     offset: int
     end: int
 
-    def item(self, *, uncertain: bool | None = None) -> SpoolItem:
-        flag = self.uncertain if uncertain is None else uncertain
-        return SpoolItem(self.topic, self.key, self.value, self.ts_ms, flag)
-
 
 def _encode(item: SpoolItem) -> bytes:
     topic = item.topic.encode()
