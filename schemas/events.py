@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias
 
@@ -99,6 +100,38 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
+def _coercer(
+    arrays: dict[str, np.dtype[Any]], enums: dict[str, type[enum.StrEnum]]
+) -> Callable[[Any], None]:
+    """A ``__post_init__`` that turns the given fields into arrays of their dtype and members of
+    their enum, generated as one straight-line function (values already right cost a type test
+    each). ``is_coercer`` tells readers that this is all it does."""
+    env: dict[str, Any] = {
+        "_ndarray": np.ndarray,
+        "_as_array": as_array,
+        "_set": object.__setattr__,
+    }
+    lines = ["def __post_init__(self):"]
+    for i, (name, dtype) in enumerate(arrays.items()):
+        env[f"_d{i}"] = dtype
+        lines += [
+            f"    v = self.{name}",
+            f"    if not (isinstance(v, _ndarray) and (v.dtype is _d{i} or v.dtype == _d{i})):",
+            f"        _set(self, {name!r}, _as_array(v, _d{i}))",
+        ]
+    for i, (name, enum_type) in enumerate(enums.items()):
+        env[f"_e{i}"] = enum_type
+        lines += [
+            f"    v = self.{name}",
+            f"    if not isinstance(v, _e{i}):",
+            f"        _set(self, {name!r}, _e{i}(v))",
+        ]
+    exec(compile("\n".join(lines), "<rollstream record coercer>", "exec"), env)
+    post_init: Callable[[Any], None] = env["__post_init__"]
+    post_init.is_coercer = True  # type: ignore[attr-defined]
+    return post_init
+
+
 class _Record:
     """Shared machinery. Subclasses declare which fields are packed arrays, nested records,
     lists of records and enums; conversion plans are computed once per class."""
@@ -113,15 +146,13 @@ class _Record:
     def _field_names(cls) -> tuple[str, ...]:
         return _field_names(cls)  # type: ignore[arg-type]  # classes are hashable
 
-    def __post_init__(self) -> None:
-        for name, dtype in self._arrays.items():
-            value = getattr(self, name)
-            if not (isinstance(value, np.ndarray) and value.dtype == dtype):
-                object.__setattr__(self, name, as_array(value, dtype))
-        for name, enum_type in self._enums.items():
-            value = getattr(self, name)
-            if not isinstance(value, enum_type):
-                object.__setattr__(self, name, enum_type(value))
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # before @dataclass looks: a class with packed arrays or enums gets a __post_init__
+        # that coerces them (straight-line, made for its fields); one without gets none, so
+        # its __init__ makes no call at all (the SDK builds three records per model call)
+        if (cls._arrays or cls._enums) and "__post_init__" not in cls.__dict__:
+            cls.__post_init__ = _coercer(cls._arrays, cls._enums)  # type: ignore[attr-defined]
 
     def to_avro(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

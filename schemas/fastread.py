@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from .codegen import CodeGen, full_name
-from .events import _Record
 
 __all__ = ["ReadError", "Reader", "compile_reader"]
 
@@ -352,14 +351,15 @@ class _Compiler(CodeGen):
 def _direct(cls: type, fields: set[str]) -> bool:
     """Whether a record may be built by setting its slots instead of calling the class: a
     slotted, unfrozen dataclass whose fields all come from the schema and whose
-    ``__post_init__`` is absent or is ``events._Record``'s (which only coerces packed arrays and
-    enums, and the reader already makes those). Anything else is called (slower, same result)."""
+    ``__post_init__`` is absent or is one ``events._Record`` made (which only coerces packed
+    arrays and enums, and the reader already makes those). Anything else is called (slower,
+    same result)."""
     post_init = getattr(cls, "__post_init__", None)
     return (
         "__slots__" in cls.__dict__
         and cls.__setattr__ is object.__setattr__
         and {f.name for f in dataclasses.fields(cls)} == fields
-        and (post_init is None or post_init is _Record.__post_init__)
+        and (post_init is None or getattr(post_init, "is_coercer", False))
     )
 
 
