@@ -54,7 +54,7 @@ from rollstream.schemas import (
 )
 from rollstream.schemas.events import Body
 
-from .context import ContextTrie, ProducerError
+from .context import ContextMatch, ContextTrie, ProducerError
 from .delivery import Delivery, DeliveryStats
 from .ids import new_ulid as _ulid
 from .spool import Spool, SpoolError
@@ -73,6 +73,32 @@ log = logging.getLogger("rollstream.producers")
 
 _U32 = np.dtype("<u4")
 _F32 = np.dtype("<f4")
+# an LlmCall event's leaf fields, in the order Recorder._emit_llm_call passes them to the
+# codec's flat writer (which checks, when it is made, that they are exactly the schema's)
+_LLM_CALL_FIELDS = (
+    "event_id",
+    "rollout_id",
+    "seq",
+    "ts",
+    "producer",
+    "schema_version",
+    "call_id",
+    "parent_call_id",
+    "prefix_len",
+    "prompt_delta",
+    "completion_ids",
+    "completion_logprobs",
+    "finish_reason",
+    "model",
+    "backend",
+    "policy_version",
+    "latency_ms",
+    "usage_prompt_tokens",
+    "usage_completion_tokens",
+    "usage_cached_tokens",
+    "drift_tokens",
+)
+_SCHEMA_VERSION: int = Event.__dataclass_fields__["schema_version"].default
 
 
 class RecorderError(ProducerError):
@@ -181,6 +207,10 @@ class Recorder:
         self._producer = s.producer
         self._encode = self.codec.encode  # bound once: every event goes through these two
         self._submit = self.delivery.submit
+        # the hot path (one per model call): an LlmCall written straight from its fields
+        self._write_llm_call = self.codec.flat_writer(
+            "rollstream.Event", "rollstream.LlmCall", _LLM_CALL_FIELDS
+        )
 
     def rollout(
         self,
@@ -210,8 +240,11 @@ class Recorder:
         )
         return RolloutHandle(self, rollout_id or _ulid(), started)
 
-    def _emit(self, rollout_id: str, key: bytes, seq: int, body: Body) -> str:
-        event_id = _ulid()
+    def _emit(
+        self, rollout_id: str, key: bytes, seq: int, body: Body, event_id: str | None = None
+    ) -> str:
+        if event_id is None:
+            event_id = _ulid()
         ts = time.time_ns() // 1000
         event = Event(event_id, rollout_id, seq, ts, body, self._producer)
         try:
@@ -220,6 +253,80 @@ class Recorder:
             raise RecorderUsageError(f"cannot encode {type(body).__name__}: {exc}") from exc
         self._submit(self.topic, key, value, ts // 1000)
         return event_id
+
+    def _emit_llm_call(
+        self,
+        rollout_id: str,
+        key: bytes,
+        seq: int,
+        event_id: str,
+        call_id: str,
+        match: ContextMatch,
+        completion: np.ndarray,
+        logprobs: np.ndarray,
+        finish_reason: str,
+        model: str,
+        backend: str,
+        policy_version: int,
+        latency_ms: float,
+        usage: Usage | None,
+        drift_tokens: int,
+    ) -> None:
+        """``_emit`` of an LlmCall, without building records when the codec can write it
+        from its fields (the same bytes; ``Codec.flat_writer``)."""
+        ts = time.time_ns() // 1000
+        write = self._write_llm_call
+        try:
+            if usage is None:  # the usual case: counted here
+                prompt_tokens = match.prefix_len + len(match.prompt_delta)
+                completion_tokens, cached_tokens = len(completion), 0
+            else:
+                prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
+                cached_tokens = usage.cached_tokens
+            if write is None:
+                body = LlmCall(
+                    call_id,
+                    match.parent_call_id,
+                    match.prefix_len,
+                    match.prompt_delta,
+                    completion,
+                    logprobs,
+                    finish_reason,
+                    model,
+                    backend,
+                    policy_version,
+                    latency_ms,
+                    Usage(prompt_tokens, completion_tokens, cached_tokens),
+                    drift_tokens,
+                )
+                value = self._encode(Event(event_id, rollout_id, seq, ts, body, self._producer))
+            else:  # arguments in _LLM_CALL_FIELDS' order
+                value = write(
+                    event_id,
+                    rollout_id,
+                    seq,
+                    ts,
+                    self._producer,
+                    _SCHEMA_VERSION,
+                    call_id,
+                    match.parent_call_id,
+                    match.prefix_len,
+                    match.prompt_delta,
+                    completion,
+                    logprobs,
+                    finish_reason,
+                    model,
+                    backend,
+                    policy_version,
+                    latency_ms,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                    drift_tokens,
+                )
+        except Exception as exc:  # a field of the wrong type: the caller's bug, said here
+            raise RecorderUsageError(f"cannot encode LlmCall: {type(exc).__name__}: {exc}") from exc
+        self._submit(self.topic, key, value, ts // 1000)
 
     @property
     def stats(self) -> DeliveryStats:
@@ -265,9 +372,9 @@ class RolloutHandle:
     def finished(self) -> bool:
         return self.status is not None
 
-    def _emit(self, body: Body) -> str:
+    def _emit(self, body: Body, event_id: str | None = None) -> str:
         # caller holds self._lock or is the constructor
-        event_id = self.recorder._emit(self.rollout_id, self._key, self._seq, body)
+        event_id = self.recorder._emit(self.rollout_id, self._key, self._seq, body, event_id)
         self._seq += 1
         return event_id
 
@@ -299,28 +406,47 @@ class RolloutHandle:
             raise RecorderUsageError(
                 f"logprobs {lps.shape} must match completion_ids {completion.shape}, one per token"
             )
-        call_id = call_id or _ulid()
+        if not (  # checked before the trie records the call: no event, no trace of it
+            isinstance(finish_reason, str)
+            and isinstance(model, str)
+            and isinstance(backend, str)
+            and isinstance(drift_tokens, int)
+            and (policy_version is None or isinstance(policy_version, int))
+            and (usage is None or isinstance(usage, Usage))
+            and (call_id is None or isinstance(call_id, str))
+        ):
+            raise RecorderUsageError(
+                "cannot encode LlmCall: finish_reason, model, backend and call_id must be str, "
+                "drift_tokens and policy_version int, usage a Usage; got "
+                f"{[type(v).__name__ for v in (finish_reason, model, backend, call_id)]}, "
+                f"{type(drift_tokens).__name__}, {type(policy_version).__name__}, "
+                f"{type(usage).__name__}"
+            )
+        event_id = None
+        if not call_id:  # a call id the SDK makes is also its event's id (one fresh ULID)
+            call_id = event_id = _ulid()
         with self._lock:
             if self.status is not None:
                 self._check_open("llm_call")
             match = self.context.add(call_id, prompt_ids, completion)
-            prompt_len = match.prefix_len + len(match.prompt_delta)
-            body = LlmCall(
-                call_id=call_id,
-                parent_call_id=match.parent_call_id,
-                prefix_len=match.prefix_len,
-                prompt_delta=match.prompt_delta,
-                completion_ids=completion,
-                completion_logprobs=lps,
-                finish_reason=finish_reason,
-                model=model,
-                backend=backend,
-                policy_version=self.policy_version if policy_version is None else policy_version,
-                latency_ms=float(latency_ms),
-                usage=usage or Usage(prompt_len, len(completion), 0),
-                drift_tokens=drift_tokens,
+            self.recorder._emit_llm_call(
+                self.rollout_id,
+                self._key,
+                self._seq,
+                event_id or _ulid(),
+                call_id,
+                match,
+                completion,
+                lps,
+                finish_reason,
+                model,
+                backend,
+                self.policy_version if policy_version is None else policy_version,
+                float(latency_ms),
+                usage,
+                drift_tokens,
             )
-            self._emit(body)
+            self._seq += 1
         return call_id
 
     def tool_call(
@@ -341,7 +467,9 @@ class RolloutHandle:
         limit = self.recorder.settings.max_tool_result_chars
         result = str(result)
         truncated = len(result) > limit
-        tool_call_id = tool_call_id or _ulid()
+        event_id = None
+        if not tool_call_id:  # as in llm_call: the SDK's id is also the event's
+            tool_call_id = event_id = _ulid()
         body = ToolCall(
             tool_call_id=tool_call_id,
             name=name,
@@ -355,7 +483,7 @@ class RolloutHandle:
         )
         with self._lock:
             self._check_open("tool_call")
-            self._emit(body)
+            self._emit(body, event_id)
         return tool_call_id
 
     def reward(

@@ -23,6 +23,7 @@ import io
 import json
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from .events import (
     Usage,
 )
 from .fastread import Reader, ReadError, compile_reader
-from .fastwrite import Writer, compile_writer
+from .fastwrite import Writer, compile_flat_writer, compile_writer
 
 __all__ = [
     "AVRO_DIR",
@@ -243,6 +244,24 @@ class Codec:
             return write(record)
         except Exception as exc:  # a value that does not fit its field
             raise EncodeError(f"{name}: {type(exc).__name__}: {exc}") from exc
+
+    def flat_writer(
+        self, name: str, body: str, params: tuple[str, ...]
+    ) -> Callable[..., bytes] | None:
+        """A writer of record ``name`` with a ``body`` event from its leaf fields as
+        positional arguments (``fastwrite.compile_flat_writer``): the same bytes ``encode``
+        makes, with no record objects built. None when this codec frames records for a schema
+        registry or writes ``name`` with another schema version: the caller encodes records."""
+        if self.registry is not None or name in self._writers:
+            return None
+        schema = self.schemas.reader(name)
+        return compile_flat_writer(
+            schema.json,
+            _RECORD_CLASSES,
+            body=body,
+            params=params,
+            prefix=SINGLE_OBJECT_MAGIC + schema.fingerprint,
+        )
 
     def encode_dict(self, name: str, data: dict[str, Any]) -> bytes:
         schema = self._writer(name)

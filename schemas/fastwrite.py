@@ -29,7 +29,7 @@ import numpy as np
 
 from .codegen import CodeGen, full_name
 
-__all__ = ["Writer", "compile_writer"]
+__all__ = ["Writer", "compile_flat_writer", "compile_writer"]
 
 Writer = Callable[[Any], bytes]
 
@@ -90,6 +90,7 @@ class _Compiler(CodeGen):
         }
         super().__init__(classes, env)
         self.enums: dict[str, str] = {}  # full name -> name of its symbol -> index dict
+        self.record_schemas: dict[str, dict[str, Any]] = {}  # full name -> its definition
         self.unions: list[dict[type, Any]] = []  # class -> (tag, function name until exec)
 
     def _define(self, schema: Any, namespace: str) -> None:
@@ -241,6 +242,7 @@ class _Compiler(CodeGen):
         full = full_name(schema["name"], schema.get("namespace", namespace))
         if full in self.records:
             return self.records[full]
+        self.record_schemas[full] = schema
         func = f"_w_{full.replace('.', '_')}_{len(self.records)}"
         self.records[full] = func  # before the fields: recursive references resolve
         ns = full.rpartition(".")[0]
@@ -253,6 +255,96 @@ class _Compiler(CodeGen):
             self._emit(f["type"], ns, body, "    ", x)
         self.sources.append(f"def {func}(buf, big, v):\n" + "\n".join(body or ["    pass"]))
         return func
+
+    # --- flat writers ------------------------------------------------------------------------
+
+    def _flat(
+        self,
+        full: str,
+        out: list[str],
+        path: str,
+        body: str,
+        leaves: list[str],
+    ) -> None:
+        """Lines writing record ``full`` from one variable per leaf field: a nested record's
+        fields are named ``<field>_<subfield>``, and a union of records is written as its
+        ``body`` branch, whose fields keep their own names."""
+        schema = self.record_schemas[full]
+        ns = full.rpartition(".")[0]
+        for f in schema["fields"]:
+            ftype = f["type"]
+            name = f"{path}{f['name']}"
+            if isinstance(ftype, list) and any(self._record_name(b, ns) for b in ftype):
+                names = [self._record_name(b, ns) for b in ftype]
+                if body not in names:
+                    raise TypeError(f"flat writer: {full}.{f['name']} has no branch {body!r}")
+                out.append(f"    buf += {self._const(_SMALL_LONGS[names.index(body)], 'tag')}")
+                self._flat(body, out, path, body, leaves)
+                continue
+            nested = self._record_name(ftype, ns)
+            if nested is not None:
+                self._flat(nested, out, f"{name}_", body, leaves)
+                continue
+            if name in leaves or keyword.iskeyword(name):
+                raise TypeError(f"flat writer: field name {name!r} is taken or reserved")
+            leaves.append(name)
+            self._emit(ftype, ns, out, "    ", name)
+
+    def _record_name(self, schema: Any, namespace: str) -> str | None:
+        """The full name of the record ``schema`` is or names; None for anything else."""
+        if isinstance(schema, dict):
+            if schema.get("type") == "record":
+                return full_name(schema["name"], schema.get("namespace", namespace))
+            return self._record_name(schema.get("type"), namespace)
+        if isinstance(schema, str) and schema not in _PRIMITIVES:
+            full = full_name(schema, namespace)
+            return full if full in self.record_schemas else None
+        return None
+
+
+def compile_flat_writer(
+    schema: dict[str, Any],
+    classes: dict[str, type],
+    *,
+    body: str,
+    params: tuple[str, ...],
+    prefix: bytes = b"",
+) -> Callable[..., bytes]:
+    """A function taking the leaf fields of ``schema`` as positional arguments, in the order
+    ``params`` names them, and returning the same bytes ``compile_writer`` makes of the
+    record they describe, for records whose union of records holds a ``body`` record (the
+    envelope and one event type). Nested records' fields are named ``<field>_<subfield>``.
+    It builds no record objects and reads no attributes: the SDK's hot path (an LlmCall per
+    model call) is written this way. ``params`` must name every leaf exactly once (checked
+    here, so a field added to the schema fails loudly where the writer is made)."""
+    compiler = _Compiler(classes)
+    compiler._define(schema, "")
+    top = full_name(schema["name"], schema.get("namespace", ""))
+    lines: list[str] = []
+    leaves: list[str] = []
+    compiler._flat(top, lines, "", body, leaves)
+    if sorted(params) != sorted(leaves):
+        missing, extra = set(leaves) - set(params), set(params) - set(leaves)
+        raise TypeError(
+            f"flat writer for {top}/{body}: missing {sorted(missing)}, unknown {sorted(extra)}"
+        )
+    env = compiler.env
+    env["_prefix"] = bytes(prefix)
+    source = "\n\n".join(
+        [
+            *compiler.sources,
+            f"def write({', '.join(params)}):\n    buf = bytearray(_prefix)\n    big = []\n"
+            + "\n".join(lines)
+            + "\n    return _join(buf, big) if big else bytes(buf)",
+        ]
+    )
+    exec(compile(source, f"<fastwrite flat {top}/{body}>", "exec"), env)
+    for by_class in compiler.unions:
+        for cls, (tag, func) in list(by_class.items()):
+            by_class[cls] = (tag, env[func])
+    write: Callable[..., bytes] = env["write"]
+    write.source = source  # type: ignore[attr-defined]
+    return write
 
 
 def compile_writer(

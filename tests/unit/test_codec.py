@@ -47,7 +47,7 @@ from rollstream.schemas import (
 )
 from rollstream.schemas.codec import _RECORD_CLASSES
 from rollstream.schemas.fastread import ReadError, compile_reader
-from rollstream.schemas.fastwrite import compile_writer
+from rollstream.schemas.fastwrite import compile_flat_writer, compile_writer
 
 text = st.text(max_size=20)
 opt_text = st.none() | text
@@ -637,3 +637,49 @@ def _raw(value: Any) -> bytes:
 def test_compiled_writer_longs_match_fastavro(value: int) -> None:
     ev = Event("e", "r", value, value, RolloutFinished(RolloutStatus.COMPLETED), schema_version=7)
     assert CODEC.encode(ev) == CODEC.encode_dict("rollstream.Event", ev.to_avro())
+
+
+_FLAT_LLM = (
+    "event_id", "rollout_id", "seq", "ts", "producer", "schema_version", "call_id",
+    "parent_call_id", "prefix_len", "prompt_delta", "completion_ids", "completion_logprobs",
+    "finish_reason", "model", "backend", "policy_version", "latency_ms", "usage_prompt_tokens",
+    "usage_completion_tokens", "usage_cached_tokens", "drift_tokens",
+)  # fmt: skip
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(llm_calls(), text, text, i64, i64, text, i32)
+def test_flat_writer_writes_the_bytes_encode_writes(
+    call: LlmCall, event_id: str, rollout_id: str, seq: int, ts: int, producer: str, version: int
+) -> None:
+    """An LlmCall event written from its leaf fields (the SDK's hot path) is byte for byte
+    what encoding the records makes, whatever order the caller names the fields in."""
+    ev = Event(event_id, rollout_id, seq, ts, call, producer, version)
+    values = {
+        **{f: getattr(ev, f) for f in ("event_id", "rollout_id", "seq", "ts", "producer")},
+        "schema_version": version,
+        **{f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name != "usage"},
+        **{f"usage_{f.name}": getattr(call.usage, f.name) for f in dataclasses.fields(Usage)},
+    }
+    write = CODEC.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM)
+    assert write is not None
+    assert write(*(values[f] for f in _FLAT_LLM)) == CODEC.encode(ev)
+    backwards = CODEC.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM[::-1])
+    assert backwards is not None
+    assert backwards(*(values[f] for f in _FLAT_LLM[::-1])) == CODEC.encode(ev)
+
+
+def test_flat_writer_needs_every_field_once_and_falls_back_with_a_registry() -> None:
+    """A field left out, an unknown one or a field named twice fails where the writer is made;
+    a codec that frames for a schema registry has no flat writer (the caller encodes)."""
+    with pytest.raises(TypeError, match=r"missing \['drift_tokens'\]"):
+        CODEC.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM[:-1])
+    with pytest.raises(TypeError, match=r"unknown \['nope'\]"):
+        CODEC.flat_writer("rollstream.Event", "rollstream.LlmCall", (*_FLAT_LLM, "nope"))
+    with pytest.raises(TypeError, match="missing"):
+        CODEC.flat_writer("rollstream.Event", "rollstream.LlmCall", (*_FLAT_LLM[:-1], "seq"))
+    schema = CODEC.schemas.reader("rollstream.Event").json
+    with pytest.raises(TypeError, match=r"has no branch 'rollstream\.Nope'"):
+        compile_flat_writer(schema, _RECORD_CLASSES, body="rollstream.Nope", params=_FLAT_LLM)
+    registry = Codec(registry=RegistryClient("http://127.0.0.1:9"))
+    assert registry.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM) is None

@@ -26,7 +26,15 @@ from rollstream.producers import (
     RecorderUsageError,
     Spool,
 )
-from rollstream.schemas import Codec, Event, LlmCall, RolloutFinished, RolloutStarted, Topics
+from rollstream.schemas import (
+    Codec,
+    Event,
+    LlmCall,
+    RolloutFinished,
+    RolloutStarted,
+    Topics,
+    Usage,
+)
 
 NS = "unit"
 TOPIC = Topics(NS).events
@@ -555,3 +563,38 @@ def test_bench_proxy_sink_transport_keeps_up_with_the_transport_protocol(tmp_pat
         assert rec.flush(5)
         assert rec.stats.sent == 3 and rec.stats.failed == 0
     assert transport.records == 3
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat-writer", "records"])
+def test_llm_call_ids_and_bytes_on_both_encode_paths(tmp_path: Path, flat: bool) -> None:
+    """LlmCall events written from their fields (the hot path) decode to what the record path
+    makes; an SDK-made call id is also the event's id, a given one is not; a field of the wrong
+    type raises before the trie records the call, so the next call's parent is a real event."""
+    transport = MemoryTransport()
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    if not flat:
+        recorder._write_llm_call = None  # what a codec with a schema registry gives
+    with recorder, recorder.rollout(task_id="t", group_id="g", policy_version=4) as r:
+        first = r.llm_call([1, 2, 3], [4, 5], [-0.5, -0.25], model="m", latency_ms=2)
+        with pytest.raises(RecorderUsageError, match="cannot encode LlmCall"):
+            r.llm_call([1, 2, 3, 4, 5, 6], [7], [-0.1], model=None)  # type: ignore[arg-type]
+        with pytest.raises(RecorderUsageError, match="cannot encode LlmCall"):
+            r.llm_call([1, 2, 3, 4, 5, 6], [7], [-0.1], drift_tokens="2")  # type: ignore[arg-type]
+        mine = r.llm_call(
+            [1, 2, 3, 4, 5, 9], [8], [-1.0], call_id="mine", usage=Usage(6, 1, 3), backend="b"
+        )
+    assert mine == "mine"
+    events = consumed(transport)
+    assert [e.seq for e in events] == [0, 1, 2, 3]
+    a, b = events[1], events[2]
+    assert isinstance(a.body, LlmCall) and isinstance(b.body, LlmCall)
+    assert a.event_id == a.body.call_id == first
+    assert b.body.call_id == "mine" and b.event_id != "mine"
+    ULID.from_str(b.event_id)
+    assert a.body == LlmCall(
+        first, None, 0, [1, 2, 3], [4, 5], [-0.5, -0.25], "stop", "m", "", 4, 2.0, Usage(3, 2, 0)
+    )
+    assert b.body == LlmCall(
+        "mine", first, 5, [9], [8], [-1.0], "stop", "", "b", 4, 0.0, Usage(6, 1, 3)
+    )
+    assert a.producer == b.producer == "unit-test" and a.schema_version == b.schema_version == 1
