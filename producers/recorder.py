@@ -11,6 +11,8 @@ Every event is an ``Event`` envelope (ULID event_id, per-rollout gap-free seq fr
 RolloutStarted, key = rollout_id) encoded with the schemas' Codec and handed to ``Delivery``
 (producers/delivery.py), which never raises into or blocks the harness. ``llm_call`` takes the
 FULL prompt; the rollout's ContextTrie turns it into parent_call_id + prefix_len + prompt_delta.
+An LlmCall (one per model call: the hot path) is written from its fields by the codec's flat
+writer, without building records, and an id the SDK makes for the call is also its event's id.
 A ``with`` block left by an exception finishes the rollout as failed (``repr`` of the error;
 KeyboardInterrupt/SystemExit: aborted) and the exception propagates. Misuse (logprobs that do
 not match the completion, an event after finish) raises RecorderUsageError at the call site.
