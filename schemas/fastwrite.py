@@ -4,13 +4,12 @@ fastavro writes dicts: encoding a record first builds a dict of it (``to_avro``)
 the schema for every record. The SDK encodes every event on the harness's thread, so the codec
 compiles, once per schema, a writer: each named record becomes one generated Python function
 whose body is the record's fields as straight-line write steps (attribute read, varint from a
-table of small values, ``bytearray +=``), appended to one bytearray that starts with the wire
-header. Packed arrays go in straight from the numpy buffer (no ``tobytes`` copy) when they are
-C-contiguous; a large one (token IDs, logprobs) is not appended at all: its place in the
-bytearray is noted, and the output is one ``bytes.join`` of the bytearray's pieces and the
-arrays, so each of its bytes is copied once (appending copied it up to three times: into the
-bytearray, again when the bytearray grew, and into the final bytes). The output is byte for
-byte what fastavro writes (a test checks it on generated records of every type).
+table of small values), each appending its piece to one list that starts with the wire header;
+the output is one ``bytes.join`` of the list. Packed arrays go in as views of their numpy
+buffer when they are C-contiguous (no ``tobytes`` copy), so each byte of a record is copied
+once, into the output (a growing bytearray copied large arrays up to three times, and
+reallocated itself several times per record even without them). The output is byte for byte
+what fastavro writes (a test checks it on generated records of every type).
 
 ``compile_flat_writer`` makes a writer of one envelope + body pair (the SDK's LlmCall event)
 from the leaf fields as positional arguments: no record objects are built and no attributes
@@ -61,24 +60,12 @@ def _varint(n: int) -> bytes:
     return out + _RAW[n]
 
 
-_BIG = 2048  # bytes values at least this long are joined in, not appended
-
-
-def _join(buf: bytearray, big: list[tuple[int, Any]]) -> bytes:
-    """The output: ``buf`` with each large value inserted at its noted position."""
-    parts: list[Any] = []
-    at = 0
-    for pos, data in big:
-        parts.append(buf[at:pos])
-        parts.append(data)
-        at = pos
-    parts.append(buf[at:])
-    return b"".join(parts)
+_BYTE = tuple(bytes((n,)) for n in range(256))  # one-byte pieces: booleans, union indexes
 
 
 class _Compiler(CodeGen):
-    """Generates the source of one function ``(buf, big, v)`` per named record and execs it
-    once; ``big`` collects (position in buf, buffer) of the large bytes values."""
+    """Generates the source of one function ``(put, v)`` per named record and execs it once;
+    ``put`` appends a piece (bytes, or a view of an array's buffer) to the output's list."""
 
     def __init__(self, classes: dict[str, type]) -> None:
         env: dict[str, Any] = {
@@ -90,8 +77,8 @@ class _Compiler(CodeGen):
             "_ndarray": np.ndarray,
             "_memoryview": memoryview,
             "_Enum": Enum,
-            "_BIG": _BIG,
-            "_join": _join,
+            "_B": _BYTE,
+            "_cat": b"".join,
         }
         super().__init__(classes, env)
         self.enums: dict[str, str] = {}  # full name -> name of its symbol -> index dict
@@ -115,10 +102,10 @@ class _Compiler(CodeGen):
     @staticmethod
     def _long(out: list[str], ind: str, x: str, non_negative: bool = False) -> None:
         test = f"{x} < _S" if non_negative else f"0 <= {x} < _S"
-        out.append(f"{ind}buf += _L[{x}] if {test} else _V({x})")
+        out.append(f"{ind}put(_L[{x}] if {test} else _V({x}))")
 
     def _emit(self, schema: Any, namespace: str, out: list[str], ind: str, x: str) -> None:
-        """Lines that append the encoding of the value in variable ``x`` to ``buf``."""
+        """Lines that append the encoding of the value in variable ``x`` (with ``put``)."""
         self._define(schema, namespace)
         if isinstance(schema, list):
             self._union(schema, namespace, out, ind, x)
@@ -146,19 +133,19 @@ class _Compiler(CodeGen):
         elif schema == "null":
             pass
         elif schema == "boolean":
-            out.append(f"{ind}buf.append(1 if {x} else 0)")
+            out.append(f"{ind}put(_B[1] if {x} else _B[0])")
         elif schema in ("int", "long"):
             self._long(out, ind, x)
         elif schema == "double":
-            out.append(f"{ind}buf += _pack_d({x})")
+            out.append(f"{ind}put(_pack_d({x}))")
         elif schema == "float":
-            out.append(f"{ind}buf += _pack_f({x})")
+            out.append(f"{ind}put(_pack_f({x}))")
         elif schema == "string":
             d, n = self._var("d"), self._var("n")
             out += [f"{ind}{d} = {x}.encode()", f"{ind}{n} = len({d})"]
             self._long(out, ind, n, non_negative=True)
-            out.append(f"{ind}buf += {d}")
-        else:  # bytes: a C-contiguous array goes in from its own buffer, anything else copied
+            out.append(f"{ind}put({d})")
+        else:  # bytes: a C-contiguous array goes in as a view of its buffer, anything else copied
             d, n = self._var("d"), self._var("n")
             out += [
                 f"{ind}if isinstance({x}, _ndarray):",
@@ -173,19 +160,14 @@ class _Compiler(CodeGen):
                 f"{ind}    {n} = len({d})",
             ]
             self._long(out, ind, n, non_negative=True)
-            out += [
-                f"{ind}if {n} < _BIG:",
-                f"{ind}    buf += {d}",
-                f"{ind}else:",
-                f"{ind}    big.append((len(buf), {d}))",
-            ]
+            out.append(f"{ind}put({d})")
 
     def _named(self, full: str, out: list[str], ind: str, x: str) -> None:
         if full in self.records:
-            out.append(f"{ind}{self.records[full]}(buf, big, {x})")
+            out.append(f"{ind}{self.records[full]}(put, {x})")
         elif full in self.enums:
             out.append(
-                f"{ind}buf += _L[{self.enums[full]}[{x}.value if isinstance({x}, _Enum) else {x}]]"
+                f"{ind}put(_L[{self.enums[full]}[{x}.value if isinstance({x}, _Enum) else {x}]])"
             )
         else:
             raise TypeError(f"unknown named type {full!r}")
@@ -197,9 +179,9 @@ class _Compiler(CodeGen):
             other = 1 - null_at
             out += [
                 f"{ind}if {x} is None:",
-                f"{ind}    buf.append({null_at * 2})",
+                f"{ind}    put(_B[{null_at * 2}])",
                 f"{ind}else:",
-                f"{ind}    buf.append({other * 2})",
+                f"{ind}    put(_B[{other * 2}])",
             ]
             self._emit(branches[other], namespace, out, ind + "    ", x)
             return
@@ -222,8 +204,8 @@ class _Compiler(CodeGen):
         tag, write = self._var("tag"), self._var("write")
         out += [
             f"{ind}{tag}, {write} = {table}[type({x})]",
-            f"{ind}buf += {tag}",
-            f"{ind}{write}(buf, big, {x})",
+            f"{ind}put({tag})",
+            f"{ind}{write}(put, {x})",
         ]
 
     def _array(self, items: Any, namespace: str, out: list[str], ind: str, x: str) -> None:
@@ -232,7 +214,7 @@ class _Compiler(CodeGen):
         self._long(out, ind + "    ", n, non_negative=True)
         out.append(f"{ind}    for {y} in {x}:")
         self._emit(items, namespace, out, ind + "        ", y)
-        out.append(f"{ind}buf.append(0)")
+        out.append(f"{ind}put(_B[0])")
 
     def _map(self, values: Any, namespace: str, out: list[str], ind: str, x: str) -> None:
         n, k, y = self._var("n"), self._var("k"), self._var("y")
@@ -241,7 +223,7 @@ class _Compiler(CodeGen):
         out.append(f"{ind}    for {k}, {y} in {x}.items():")
         self._emit("string", namespace, out, ind + "        ", k)
         self._emit(values, namespace, out, ind + "        ", y)
-        out.append(f"{ind}buf.append(0)")
+        out.append(f"{ind}put(_B[0])")
 
     def _record(self, schema: dict[str, Any], namespace: str) -> str:
         full = full_name(schema["name"], schema.get("namespace", namespace))
@@ -258,7 +240,7 @@ class _Compiler(CodeGen):
             read = f"getattr(v, {name!r})" if keyword.iskeyword(name) else f"v.{name}"
             body.append(f"    {x} = {read}")
             self._emit(f["type"], ns, body, "    ", x)
-        self.sources.append(f"def {func}(buf, big, v):\n" + "\n".join(body or ["    pass"]))
+        self.sources.append(f"def {func}(put, v):\n" + "\n".join(body or ["    pass"]))
         return func
 
     # --- flat writers ------------------------------------------------------------------------
@@ -283,7 +265,7 @@ class _Compiler(CodeGen):
                 names = [self._record_name(b, ns) for b in ftype]
                 if body not in names:
                     raise TypeError(f"flat writer: {full}.{f['name']} has no branch {body!r}")
-                out.append(f"    buf += {self._const(_SMALL_LONGS[names.index(body)], 'tag')}")
+                out.append(f"    put({self._const(_SMALL_LONGS[names.index(body)], 'tag')})")
                 self._flat(body, out, path, body, leaves)
                 continue
             nested = self._record_name(ftype, ns)
@@ -338,9 +320,9 @@ def compile_flat_writer(
     source = "\n\n".join(
         [
             *compiler.sources,
-            f"def write({', '.join(params)}):\n    buf = bytearray(_prefix)\n    big = []\n"
+            f"def write({', '.join(params)}):\n    out = [_prefix]\n    put = out.append\n"
             + "\n".join(lines)
-            + "\n    return _join(buf, big) if big else bytes(buf)",
+            + "\n    return _cat(out)",
         ]
     )
     exec(compile(source, f"<fastwrite flat {top}/{body}>", "exec"), env)
@@ -366,9 +348,9 @@ def compile_writer(
     source = "\n\n".join(
         [
             *compiler.sources,
-            "def write(record):\n    buf = bytearray(_prefix)\n    big = []\n"
+            "def write(record):\n    out = [_prefix]\n    put = out.append\n"
             + "\n".join(lines)
-            + "\n    return _join(buf, big) if big else bytes(buf)",
+            + "\n    return _cat(out)",
         ]
     )
     exec(compile(source, f"<fastwrite {schema.get('name', '?')}>", "exec"), env)
