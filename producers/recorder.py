@@ -101,6 +101,7 @@ _LLM_CALL_FIELDS = (
     "drift_tokens",
 )
 _SCHEMA_VERSION: int = Event.__dataclass_fields__["schema_version"].default
+_INTS = (int, np.integer)  # what a long field takes (numpy's ints too, as the encoder does)
 
 
 class RecorderError(ProducerError):
@@ -412,8 +413,8 @@ class RolloutHandle:
             isinstance(finish_reason, str)
             and isinstance(model, str)
             and isinstance(backend, str)
-            and isinstance(drift_tokens, int)
-            and (policy_version is None or isinstance(policy_version, int))
+            and isinstance(drift_tokens, _INTS)
+            and (policy_version is None or isinstance(policy_version, _INTS))
             and (usage is None or isinstance(usage, Usage))
             and (call_id is None or isinstance(call_id, str))
         ):

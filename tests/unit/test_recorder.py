@@ -581,7 +581,13 @@ def test_llm_call_ids_and_bytes_on_both_encode_paths(tmp_path: Path, flat: bool)
         with pytest.raises(RecorderUsageError, match="cannot encode LlmCall"):
             r.llm_call([1, 2, 3, 4, 5, 6], [7], [-0.1], drift_tokens="2")  # type: ignore[arg-type]
         mine = r.llm_call(
-            [1, 2, 3, 4, 5, 9], [8], [-1.0], call_id="mine", usage=Usage(6, 1, 3), backend="b"
+            [1, 2, 3, 4, 5, 9],
+            [8],
+            [-1.0],
+            call_id="mine",
+            usage=Usage(6, 1, 3),
+            backend="b",
+            drift_tokens=np.int64(2),  # numpy's ints are ints here, as for the encoder
         )
     assert mine == "mine"
     events = consumed(transport)
@@ -595,6 +601,6 @@ def test_llm_call_ids_and_bytes_on_both_encode_paths(tmp_path: Path, flat: bool)
         first, None, 0, [1, 2, 3], [4, 5], [-0.5, -0.25], "stop", "m", "", 4, 2.0, Usage(3, 2, 0)
     )
     assert b.body == LlmCall(
-        "mine", first, 5, [9], [8], [-1.0], "stop", "", "b", 4, 0.0, Usage(6, 1, 3)
+        "mine", first, 5, [9], [8], [-1.0], "stop", "", "b", 4, 0.0, Usage(6, 1, 3), 2
     )
     assert a.producer == b.producer == "unit-test" and a.schema_version == b.schema_version == 1
