@@ -288,6 +288,26 @@ class _Compiler(CodeGen):
             return full if full in self.record_schemas else None
         return None
 
+    def _function(self, params: str, lines: list[str], prefix: bytes, label: str) -> Any:
+        """Exec the record functions and ``write(<params>)``, whose ``lines`` put the output's
+        pieces after ``prefix``; returns ``write`` (its source on ``.source``, for debugging)."""
+        self.env["_prefix"] = bytes(prefix)
+        source = "\n\n".join(
+            [
+                *self.sources,
+                f"def write({params}):\n    out = [_prefix]\n    put = out.append\n"
+                + "\n".join(lines)
+                + "\n    return _cat(out)",
+            ]
+        )
+        exec(compile(source, f"<fastwrite {label}>", "exec"), self.env)
+        for by_class in self.unions:  # the tables named record functions: now they exist
+            for cls, (tag, func) in list(by_class.items()):
+                by_class[cls] = (tag, self.env[func])
+        write = self.env["write"]
+        write.source = source
+        return write
+
 
 def compile_flat_writer(
     schema: dict[str, Any],
@@ -315,22 +335,9 @@ def compile_flat_writer(
         raise TypeError(
             f"flat writer for {top}/{body}: missing {sorted(missing)}, unknown {sorted(extra)}"
         )
-    env = compiler.env
-    env["_prefix"] = bytes(prefix)
-    source = "\n\n".join(
-        [
-            *compiler.sources,
-            f"def write({', '.join(params)}):\n    out = [_prefix]\n    put = out.append\n"
-            + "\n".join(lines)
-            + "\n    return _cat(out)",
-        ]
+    write: Callable[..., bytes] = compiler._function(
+        ", ".join(params), lines, prefix, f"flat {top}/{body}"
     )
-    exec(compile(source, f"<fastwrite flat {top}/{body}>", "exec"), env)
-    for by_class in compiler.unions:
-        for cls, (tag, func) in list(by_class.items()):
-            by_class[cls] = (tag, env[func])
-    write: Callable[..., bytes] = env["write"]
-    write.source = source  # type: ignore[attr-defined]
     return write
 
 
@@ -343,20 +350,5 @@ def compile_writer(
     compiler = _Compiler(classes)
     lines: list[str] = []
     compiler._emit(schema, "", lines, "    ", "record")
-    env = compiler.env
-    env["_prefix"] = bytes(prefix)
-    source = "\n\n".join(
-        [
-            *compiler.sources,
-            "def write(record):\n    out = [_prefix]\n    put = out.append\n"
-            + "\n".join(lines)
-            + "\n    return _cat(out)",
-        ]
-    )
-    exec(compile(source, f"<fastwrite {schema.get('name', '?')}>", "exec"), env)
-    for by_class in compiler.unions:  # the tables named record functions: now they exist
-        for cls, (tag, func) in list(by_class.items()):
-            by_class[cls] = (tag, env[func])
-    write: Writer = env["write"]
-    write.source = source  # type: ignore[attr-defined]  # for debugging
+    write: Writer = compiler._function("record", lines, prefix, schema.get("name", "?"))
     return write
