@@ -334,10 +334,7 @@ class ContextTrie:
         prompt = _tokens(prompt_ids)
         completion = _tokens(completion_ids)
         last, n = self._last, self._buf_len
-        # _extends_last, inline (this is the hot path)
-        extends = (
-            last is not None and 0 < n <= len(prompt) and self._buf.startswith(prompt[:n].data)
-        )
+        extends = self._extends_last(prompt)
         if extends and last is not None:
             if not last.children and (len(prompt) > n or len(completion)):
                 return self._append_leaf(call_id, prompt, completion)
@@ -366,18 +363,10 @@ class ContextTrie:
         (what the general path of ``add`` does, without walking, splitting or re-stamping)."""
         last, n = self._last, self._buf_len
         assert last is not None and last.depth == n and last.epoch == self._epoch
-        # _result and _store, inline: ``last`` is on the spine; nothing is rewritten
-        delta = prompt[n:]
-        result = ContextMatch(self._last_id, n, delta)
-        mid = len(prompt)
-        end = mid + len(completion)
-        if end > len(self._tokens):
-            self._grow(n, end)
-        tokens = self._tokens
-        tokens[n:mid] = delta
-        tokens[mid:end] = completion
-        self._buf_len = end
-        rest = tokens[n:end]  # the label is the buffer's own new tokens
+        result = ContextMatch(self._last_id, n, prompt[n:])  # ``last`` is on the spine
+        self._store(n, result.prompt_delta, completion)
+        end = self._buf_len
+        rest = self._tokens[n:end]  # the label is the buffer's own new tokens
         if n < self._shared_from:
             self._shared_from = n
         leaf = _Node(rest, last, end)
