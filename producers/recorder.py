@@ -210,9 +210,11 @@ class Recorder:
         self._producer = s.producer
         self._encode = self.codec.encode  # bound once: every event goes through these two
         self._submit = self.delivery.submit
-        # the hot path (one per model call): an LlmCall written straight from its fields
-        self._write_llm_call = self.codec.flat_writer(
-            "rollstream.Event", "rollstream.LlmCall", _LLM_CALL_FIELDS
+        # the hot path (one per model call): an LlmCall written straight from its fields, or
+        # (a codec with a schema registry has no flat writer) through records
+        self._write_llm_call = (
+            self.codec.flat_writer("rollstream.Event", "rollstream.LlmCall", _LLM_CALL_FIELDS)
+            or self._llm_call_as_records
         )
 
     def rollout(
@@ -278,7 +280,6 @@ class Recorder:
         """``_emit`` of an LlmCall, without building records when the codec can write it
         from its fields (the same bytes; ``Codec.flat_writer``)."""
         ts = time.time_ns() // 1000
-        write = self._write_llm_call
         try:
             if usage is None:  # the usual case: counted here
                 prompt_tokens = match.prefix_len + len(match.prompt_delta)
@@ -286,50 +287,75 @@ class Recorder:
             else:
                 prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
                 cached_tokens = usage.cached_tokens
-            if write is None:
-                body = LlmCall(
-                    call_id,
-                    match.parent_call_id,
-                    match.prefix_len,
-                    match.prompt_delta,
-                    completion,
-                    logprobs,
-                    finish_reason,
-                    model,
-                    backend,
-                    policy_version,
-                    latency_ms,
-                    Usage(prompt_tokens, completion_tokens, cached_tokens),
-                    drift_tokens,
-                )
-                value = self._encode(Event(event_id, rollout_id, seq, ts, body, self._producer))
-            else:  # arguments in _LLM_CALL_FIELDS' order
-                value = write(
-                    event_id,
-                    rollout_id,
-                    seq,
-                    ts,
-                    self._producer,
-                    _SCHEMA_VERSION,
-                    call_id,
-                    match.parent_call_id,
-                    match.prefix_len,
-                    match.prompt_delta,
-                    completion,
-                    logprobs,
-                    finish_reason,
-                    model,
-                    backend,
-                    policy_version,
-                    latency_ms,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                    drift_tokens,
-                )
+            value = self._write_llm_call(  # arguments in _LLM_CALL_FIELDS' order
+                event_id,
+                rollout_id,
+                seq,
+                ts,
+                self._producer,
+                _SCHEMA_VERSION,
+                call_id,
+                match.parent_call_id,
+                match.prefix_len,
+                match.prompt_delta,
+                completion,
+                logprobs,
+                finish_reason,
+                model,
+                backend,
+                policy_version,
+                latency_ms,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+                drift_tokens,
+            )
         except Exception as exc:  # a field of the wrong type: the caller's bug, said here
             raise RecorderUsageError(f"cannot encode LlmCall: {type(exc).__name__}: {exc}") from exc
         self._submit(self.topic, key, value, ts // 1000)
+
+    def _llm_call_as_records(
+        self,
+        event_id: str,
+        rollout_id: str,
+        seq: int,
+        ts: int,
+        producer: str,
+        schema_version: int,
+        call_id: str,
+        parent_call_id: str | None,
+        prefix_len: int,
+        prompt_delta: np.ndarray,
+        completion_ids: np.ndarray,
+        completion_logprobs: np.ndarray,
+        finish_reason: str,
+        model: str,
+        backend: str,
+        policy_version: int,
+        latency_ms: float,
+        usage_prompt_tokens: int,
+        usage_completion_tokens: int,
+        usage_cached_tokens: int,
+        drift_tokens: int,
+    ) -> bytes:
+        """The flat writer's signature, through records and ``Codec.encode``."""
+        usage = Usage(usage_prompt_tokens, usage_completion_tokens, usage_cached_tokens)
+        call = LlmCall(
+            call_id,
+            parent_call_id,
+            prefix_len,
+            prompt_delta,
+            completion_ids,
+            completion_logprobs,
+            finish_reason,
+            model,
+            backend,
+            policy_version,
+            latency_ms,
+            usage,
+            drift_tokens,
+        )
+        return self._encode(Event(event_id, rollout_id, seq, ts, call, producer, schema_version))
 
     @property
     def stats(self) -> DeliveryStats:

@@ -573,7 +573,7 @@ def test_llm_call_ids_and_bytes_on_both_encode_paths(tmp_path: Path, flat: bool)
     transport = MemoryTransport()
     recorder = Recorder(make_settings(tmp_path), transport=transport)
     if not flat:
-        recorder._write_llm_call = None  # what a codec with a schema registry gives
+        recorder._write_llm_call = recorder._llm_call_as_records  # as with a schema registry
     with recorder, recorder.rollout(task_id="t", group_id="g", policy_version=4) as r:
         first = r.llm_call([1, 2, 3], [4, 5], [-0.5, -0.25], model="m", latency_ms=2)
         with pytest.raises(RecorderUsageError, match="cannot encode LlmCall"):
