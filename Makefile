@@ -17,7 +17,7 @@ $(VENV)/bin/python:
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	@command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
 	@command -v mvn >/dev/null || (apt-get update && apt-get install -y maven)
-	$(PY) -m pip install --quiet -e ".[dev,train]"
+	$(PY) -m pip install --quiet -e ".[all,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -48,7 +48,8 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy schemas producers streams consumers infra
+	$(VENV)/bin/mypy schemas adapters producers inference streams consumers infra
+	$(VENV)/bin/lint-imports
 
 clean:
 	-$(VENV)/bin/rollstream down

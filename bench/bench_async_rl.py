@@ -27,7 +27,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from rollstream.consumers.checkpoint import CheckpointStore
+from rollstream.consumers.training.checkpoint import CheckpointStore
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.schemas import Codec, CommonSettings, Sample
 

@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from rollstream.consumers import chstore, reports
-from rollstream.consumers.rows import COLUMNS, RowBatch
-from rollstream.infra.migrations import apply_migrations
+from rollstream.consumers.analytics import reports
+from rollstream.consumers.store import chstore
+from rollstream.consumers.store.migrations import apply_migrations
+from rollstream.consumers.store.rows import COLUMNS, RowBatch
 from rollstream.schemas import (
     Branch,
     Event,

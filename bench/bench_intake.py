@@ -35,13 +35,13 @@ import torch
 from confluent_kafka import Producer
 from transformers.utils import logging as hf_logging
 
-from rollstream.consumers.batching import TokenBudgetBatcher, collate
-from rollstream.consumers.dataset import SampleSource
-from rollstream.consumers.ppo import LossConfig
-from rollstream.consumers.trainer import train_step
+from rollstream.adapters.topics import ensure_topics
+from rollstream.consumers.training.batching import TokenBudgetBatcher, collate
+from rollstream.consumers.training.dataset import SampleSource
+from rollstream.consumers.training.ppo import LossConfig
+from rollstream.consumers.training.trainer import train_step
+from rollstream.inference.tinymodel import ensure_tiny_model, load_model
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
-from rollstream.infra.topics import ensure_topics
-from rollstream.producers.tinymodel import ensure_tiny_model, load_model
 from rollstream.schemas import Codec, CommonSettings, Sample
 
 SEQ, PROMPT, BATCH = 128, 32, 16

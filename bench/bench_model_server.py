@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import torch
 
-from rollstream.producers.tinymodel import (
+from rollstream.inference.tinymodel import (
     SamplingParams,
     generate,
     load_model,
@@ -53,7 +53,7 @@ def start_server(model: Path, port: int, threads: int) -> subprocess.Popen[bytes
         "ROLLSTREAM_MODEL_CREATE": "false",
         "ROLLSTREAM_MODEL_TORCH_THREADS": str(threads),
     }
-    cmd = [sys.executable, "-m", "rollstream.producers.model_server"]
+    cmd = [sys.executable, "-m", "rollstream.inference.server"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 from confluent_kafka import Consumer, Producer
 
+from rollstream.adapters.topics import ensure_topics
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
-from rollstream.infra.topics import ensure_topics
 from rollstream.schemas import (
     Codec,
     CommonSettings,

@@ -110,7 +110,7 @@ def serve_proxy(port: int, backend: str, model_path: str, bootstrap: str | None)
     import uvicorn
 
     from rollstream.producers import Recorder
-    from rollstream.producers.proxy import ProxySettings, create_app
+    from rollstream.producers.proxy.service import ProxySettings, create_app
 
     kw: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
     settings = ProxySettings(
@@ -118,7 +118,7 @@ def serve_proxy(port: int, backend: str, model_path: str, bootstrap: str | None)
         spool_dir=None, proxy_port=port, namespace=f"bench{os.getpid()}", **kw,
     )  # fmt: skip
     if bootstrap:
-        from rollstream.infra.topics import ensure_topics
+        from rollstream.adapters.topics import ensure_topics
 
         ensure_topics(settings)
         recorder = Recorder(settings)
@@ -191,8 +191,9 @@ def baseline_tree(rev: str, work: Path) -> Path:
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     (pp / "rollstream").mkdir(parents=True)
-    for name in ("schemas", "producers", "streams", "consumers", "infra"):
-        (pp / "rollstream" / name).symlink_to(src / name)
+    for name in ("schemas", "adapters", "producers", "inference", "streams", "consumers", "infra"):
+        if (src / name).is_dir():  # older revisions lack some packages
+            (pp / "rollstream" / name).symlink_to(src / name)
     return pp
 
 
@@ -310,7 +311,7 @@ def make_streams(target: str, port: int, rollouts: list[dict[str, Any]], n: int)
 def model_dir(path: str | None) -> Path:
     target = Path(path) if path else ROOT / ".rollstream" / "models" / "tiny"
     if not (target / "tokenizer.json").is_file():
-        from rollstream.producers.tinymodel import ensure_tiny_model
+        from rollstream.inference.tinymodel import ensure_tiny_model
 
         ensure_tiny_model(target)
     return target
@@ -375,7 +376,7 @@ def main() -> None:
         fport, pport = free_port(), free_port()
         lite, lport, lite_error = start_litellm(args.litellm, fport, work)  # slow: start first
         mpath = model_dir(args.model_path)
-        from rollstream.producers.chat import ChatTemplate
+        from rollstream.producers.proxy.chat import ChatTemplate
 
         chat = ChatTemplate.from_dir(mpath)
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]

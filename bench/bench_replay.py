@@ -34,12 +34,12 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_chstore import report_dataset
 
-from rollstream.consumers import chstore
-from rollstream.consumers.replay import ReplaySettings, run
-from rollstream.consumers.rows import RowBatch
+from rollstream.adapters.topics import ensure_topics
+from rollstream.consumers.analytics.replay import ReplaySettings, run
+from rollstream.consumers.store import chstore
+from rollstream.consumers.store.migrations import apply_migrations
+from rollstream.consumers.store.rows import RowBatch
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
-from rollstream.infra.migrations import apply_migrations
-from rollstream.infra.topics import ensure_topics
 from rollstream.schemas import Codec, CommonSettings, Event, RolloutFinished, RolloutStarted
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from confluent_kafka import Producer
 
+from rollstream.adapters.topics import ensure_topics
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
-from rollstream.infra.topics import ensure_topics
 from rollstream.producers import MemoryTransport, Recorder, RecorderSettings, kafka_producer_options
 from rollstream.schemas import CommonSettings
 

@@ -1,7 +1,7 @@
 """ClickHouse sink throughput: Kafka -> sink (decode, map, insert, commit) -> chDB.
 
 1. LlmCall events with --tokens-token arrays (prompt_delta, completion_ids, logprobs) through
-   the whole sink (rollstream.consumers.sink.Sink, in a thread of this process), side by side
+   the whole sink (rollstream.consumers.store.sink.Sink, in a thread of this process), side by side
    with a bare clickhouse-connect ``client.insert`` of the same rows (arrays as Python lists,
    built outside the timer) into the same tables of the same chDB, in the same run; alternating
    rounds (sink, bare), medians of the per-round figures. Target: sink >= 0.8x bare.
@@ -42,10 +42,10 @@ from confluent_kafka import Producer
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_chstore import bare_rows, fresh_db, llm_events, small_events
 
-from rollstream.consumers import chstore
-from rollstream.consumers.sink import Sink, SinkSettings
+from rollstream.adapters.topics import ensure_topics
+from rollstream.consumers.store import chstore
+from rollstream.consumers.store.sink import Sink, SinkSettings
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
-from rollstream.infra.topics import ensure_topics
 from rollstream.schemas import Codec, CommonSettings
 
 

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollstream.consumers.batching import collate
-from rollstream.consumers.ppo import LossConfig, batch_loss
-from rollstream.consumers.treepack import batch_token_logprobs
+from rollstream.consumers.training.batching import collate
+from rollstream.consumers.training.ppo import LossConfig, batch_loss
+from rollstream.consumers.training.treepack import batch_token_logprobs
 from rollstream.schemas.events import Sample, SampleMode
 
 

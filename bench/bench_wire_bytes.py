@@ -33,7 +33,7 @@ import cramjam
 import numpy as np
 
 from rollstream.producers import MemoryTransport, Recorder, RecorderSettings
-from rollstream.producers.chat import (
+from rollstream.producers.proxy.chat import (
     ChatMemory,
     ChatTemplate,
     normalize_messages,
@@ -79,12 +79,12 @@ def log_bytes(messages: list[dict[str, Any]], reply: str, tokens: list[str], lps
 def run_tiny(turns: int, n: int) -> dict[str, Any]:
     path = ROOT / ".rollstream" / "models" / "tiny"
     if not (path / "tokenizer.json").is_file():
-        from rollstream.producers.tinymodel import ensure_tiny_model
+        from rollstream.inference.tinymodel import ensure_tiny_model
 
         ensure_tiny_model(path)
     chat = ChatTemplate.from_dir(path)
     words = (
-        (ROOT / "producers" / "data" / "corpus.txt").read_text().split()
+        (ROOT / "inference" / "data" / "corpus.txt").read_text().split()
     )  # tinymodel.DEFAULT_CORPUS
     rng = np.random.default_rng(0)
 

@@ -24,9 +24,9 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from rollstream.consumers.dataset import SamplesDataset
-from rollstream.consumers.ppo import LossConfig, batch_loss
-from rollstream.consumers.treepack import batch_token_logprobs
+from rollstream.consumers.training.dataset import SamplesDataset
+from rollstream.consumers.training.ppo import LossConfig, batch_loss
+from rollstream.consumers.training.treepack import batch_token_logprobs
 from rollstream.schemas import CommonSettings
 
 

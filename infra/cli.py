@@ -45,7 +45,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _stack_settings(args: argparse.Namespace) -> Any:
-    from .stack import StackSettings
+    from rollstream.infra.stack import StackSettings
 
     over = _overrides(args)
     if getattr(args, "port", None) or getattr(args, "host", None):
@@ -56,7 +56,7 @@ def _stack_settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from . import stack
+    from rollstream.infra import stack
 
     settings = _stack_settings(args)
     with console.status(f"starting Kafka (KRaft) at {settings.kafka_bootstrap} ..."):
@@ -69,7 +69,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from . import stack
+    from rollstream.infra import stack
 
     settings = _stack_settings(args)
     was = stack.down(settings)
@@ -78,7 +78,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import stack
+    from rollstream.infra import stack
 
     settings = _stack_settings(args)
     st = stack.status(settings)
@@ -96,7 +96,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
-    from .topics import describe_topics, ensure_topics
+    from rollstream.adapters.topics import describe_topics, ensure_topics
 
     settings = _stack_settings(args)
     created = ensure_topics(settings)
@@ -110,8 +110,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from . import tail
-    from .stack import StackSettings
+    from rollstream.infra import tail
+    from rollstream.infra.stack import StackSettings
 
     settings = StackSettings(**_overrides(args))
     opts = tail.TailOptions(
@@ -125,7 +125,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoSettings, run
+    from rollstream.infra.demo import DemoSettings, run
 
     return run(DemoSettings(**_overrides(args)))
 
@@ -140,8 +140,8 @@ def _set(over: dict[str, Any], args: argparse.Namespace, **fields: str) -> dict[
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from rollstream.producers.model_server import ModelServerSettings
-    from rollstream.producers.tinymodel import ensure_tiny_model
+    from rollstream.inference.server import ModelServerSettings
+    from rollstream.inference.tinymodel import ensure_tiny_model
 
     settings = ModelServerSettings(**_set(_overrides(args), args, model="model_path"))
     path = ensure_tiny_model(settings.resolved_model_path(), seed=settings.model_seed)
@@ -150,7 +150,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_model(args: argparse.Namespace) -> int:
-    from rollstream.producers.model_server import ModelServerSettings, run
+    from rollstream.inference.server import ModelServerSettings, run
 
     over = _set(_overrides(args), args, host="model_host", port="model_port", model="model_path")
     run(ModelServerSettings(**over))
@@ -158,7 +158,7 @@ def cmd_serve_model(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from rollstream.producers.proxy import ProxySettings, run
+    from rollstream.producers.proxy.service import ProxySettings, run
 
     over = _set(
         _overrides(args),
@@ -181,14 +181,14 @@ def cmd_process(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rollstream.consumers.trainer import TrainerSettings, main
+    from rollstream.consumers.training.trainer import TrainerSettings, main
 
     over = _set(_overrides(args), args, max_steps="train_max_steps", model="model_path")
     return main(TrainerSettings(**over))
 
 
 def cmd_sink(args: argparse.Namespace) -> int:
-    from rollstream.consumers.sink import SinkSettings, run
+    from rollstream.consumers.store.sink import SinkSettings, run
 
     over = _set(_overrides(args), args, host="analytics_host", port="analytics_port")
     run(SinkSettings(**over))
@@ -196,7 +196,7 @@ def cmd_sink(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rollstream.consumers.report_cli import ReportSettings, run
+    from rollstream.consumers.analytics.report_cli import ReportSettings, run
 
     run(
         ReportSettings(**_overrides(args)),
@@ -209,7 +209,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from rollstream.consumers.replay import ReplaySettings, run
+    from rollstream.consumers.analytics.replay import ReplaySettings, run
 
     over = _set(
         _overrides(args),

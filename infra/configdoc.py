@@ -23,18 +23,22 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
         "StackSettings",
     ),
     ("demo (`demo`)", "rollstream.infra.demo", "DemoSettings"),
-    ("harness SDK (`Recorder`)", "rollstream.producers.recorder", "RecorderSettings"),
+    ("harness SDK (`Recorder`)", "rollstream.producers.sdk.recorder", "RecorderSettings"),
     (
         "reference model server (`serve-model`, `make-model`)",
-        "rollstream.producers.model_server",
+        "rollstream.inference.server",
         "ModelServerSettings",
     ),
-    ("recording proxy (`proxy`)", "rollstream.producers.proxy", "ProxySettings"),
+    ("recording proxy (`proxy`)", "rollstream.producers.proxy.service", "ProxySettings"),
     ("stream processors (`process`)", "rollstream.streams.settings", "ProcessorSettings"),
-    ("trainer (`train`)", "rollstream.consumers.trainer", "TrainerSettings"),
-    ("ClickHouse sink + analytics server (`sink`)", "rollstream.consumers.sink", "SinkSettings"),
-    ("reports (`report`)", "rollstream.consumers.report_cli", "ReportSettings"),
-    ("replay (`replay`)", "rollstream.consumers.replay", "ReplaySettings"),
+    ("trainer (`train`)", "rollstream.consumers.training.trainer", "TrainerSettings"),
+    (
+        "ClickHouse sink + analytics server (`sink`)",
+        "rollstream.consumers.store.sink",
+        "SinkSettings",
+    ),
+    ("reports (`report`)", "rollstream.consumers.analytics.report_cli", "ReportSettings"),
+    ("replay (`replay`)", "rollstream.consumers.analytics.replay", "ReplaySettings"),
 )
 
 _FIELD = re.compile(r"^\s{4}(\w+)\s*:[^#]*?(?:#\s*(.*))?$")

@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollstream.adapters.topics import TopicState, describe_topics, ensure_topics
+from rollstream.infra.kafka import BrokerConfig, KafkaBroker
 from rollstream.schemas import CommonSettings
-
-from .kafka import BrokerConfig, KafkaBroker
-from .topics import TopicState, describe_topics, ensure_topics
 
 __all__ = ["StackSettings", "StackStatus", "broker_for", "down", "status", "up"]
 

@@ -6,9 +6,9 @@ with Recorder(RecorderSettings()) as recorder:
         r.llm_call(prompt_ids, completion_ids, logprobs)
 """
 
-from .context import ContextError, ContextMatch, ContextTrie, ProducerError
-from .delivery import Delivery, DeliveryStats
-from .recorder import (
+from rollstream.producers.sdk.context import ContextError, ContextMatch, ContextTrie, ProducerError
+from rollstream.producers.sdk.delivery import Delivery, DeliveryStats
+from rollstream.producers.sdk.recorder import (
     Recorder,
     RecorderError,
     RecorderSettings,
@@ -16,8 +16,13 @@ from .recorder import (
     RolloutHandle,
     kafka_producer_options,
 )
-from .spool import Spool, SpoolError
-from .transport import DeliveryError, KafkaTransport, MemoryTransport, Transport
+from rollstream.producers.sdk.spool import Spool, SpoolError
+from rollstream.producers.sdk.transport import (
+    DeliveryError,
+    KafkaTransport,
+    MemoryTransport,
+    Transport,
+)
 
 __all__ = [
     "ContextError",

@@ -1,7 +1,7 @@
 """Topics of the event contract: names, keys and how the broker keeps them.
 
 Names are settings: a namespace prefix (``replay1.rollout.events``) lets a replay run beside
-live data. The topic manager in rollstream.infra creates exactly these specs, idempotently.
+live data. The topic manager in rollstream.adapters creates exactly these specs, idempotently.
 """
 
 from __future__ import annotations

@@ -520,7 +520,7 @@ def run(settings: ProcessorSettings) -> int:
     """Create the missing topics (the contract's, then the processor's internal ones: faust
     declares them too, but a topic it creates at start-up can miss the first assignment), then
     run one worker until it is stopped."""
-    from rollstream.infra.topics import ensure_topics  # the topic manager (I/O edge)
+    from rollstream.adapters.topics import ensure_topics  # the topic manager (I/O edge)
 
     ensure_topics(settings)
     _use_event_loop(settings.proc_event_loop)  # before faust makes its loops

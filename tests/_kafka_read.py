@@ -9,7 +9,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from rollstream.infra.topics import watermarks
+from rollstream.adapters.topics import watermarks
 
 
 def read_topic(config: dict[str, Any] | Any, topic: str, timeout: float = 60.0) -> list[Any]:

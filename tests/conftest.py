@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.adapters.topics import ensure_topics
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
-from rollstream.infra.topics import ensure_topics
 from rollstream.schemas import CommonSettings
 
 

@@ -1,4 +1,4 @@
-"""Helpers of the sink, replay and report integration tests: ``python -m rollstream.consumers.sink``
+"""Helpers of the sink, replay and report integration tests: the sink (``python -m ...store.sink``)
 as a subprocess (so it can be SIGKILLed and so the chDB path is held by another process, as in
 production), SDK rollouts, and Kafka reads of topics and of the sink group's commits."""
 
@@ -13,20 +13,20 @@ import numpy as np
 from _logged_process import LoggedProcess
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from rollstream.consumers.analytics_server import AnalyticsClient
+from rollstream.consumers.analytics.server import AnalyticsClient
 from rollstream.infra.kafka import free_port
-from rollstream.producers.recorder import Recorder, RecorderSettings
+from rollstream.producers.sdk.recorder import Recorder, RecorderSettings
 from rollstream.schemas import CommonSettings
 
 
 class SinkProcess(LoggedProcess):
-    """``python -m rollstream.consumers.sink`` on its own chDB path and analytics port."""
+    """``python -m rollstream.consumers.store.sink`` on its own chDB path and analytics port."""
 
     def __init__(self, settings: CommonSettings, tmp_path: Path, **env: str) -> None:
         self.port = free_port()
         self.chdb_path = tmp_path / "chdb"
         super().__init__(
-            "rollstream.consumers.sink", settings, tmp_path, "sink.log",
+            "rollstream.consumers.store.sink", settings, tmp_path, "sink.log",
             {
                 "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{self.chdb_path}",
                 "ROLLSTREAM_ANALYTICS_PORT": str(self.port),

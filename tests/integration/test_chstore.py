@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollstream.consumers import chstore
-from rollstream.consumers.chstore import (
+from rollstream.consumers.store import chstore
+from rollstream.consumers.store.chstore import (
     ConnectError,
     InsertError,
     MigrationError,
@@ -26,8 +26,8 @@ from rollstream.consumers.chstore import (
     insert_batch,
     query,
 )
-from rollstream.consumers.rows import COLUMNS, RowBatch
-from rollstream.infra.migrations import MIGRATIONS_DIR, apply_migrations, split_statements
+from rollstream.consumers.store.migrations import MIGRATIONS_DIR, apply_migrations, split_statements
+from rollstream.consumers.store.rows import COLUMNS, RowBatch
 from rollstream.schemas import (
     Branch,
     Event,
@@ -297,7 +297,7 @@ def test_store_errors(client: Any, db: str, tmp_path: Path) -> None:
 def test_chdb_path_is_owned_by_one_process(client: Any, chdb_path: Path) -> None:
     code = (
         "import sys\n"
-        "from rollstream.consumers.chstore import ConnectError, connect\n"
+        "from rollstream.consumers.store.chstore import ConnectError, connect\n"
         "try:\n"
         f"    connect('chdb://{chdb_path}')\n"
         "except ConnectError as exc:\n"
@@ -310,7 +310,7 @@ def test_chdb_path_is_owned_by_one_process(client: Any, chdb_path: Path) -> None
 def test_relative_chdb_path_resolves_against_base_dir(tmp_path: Path) -> None:
     code = (
         "from pathlib import Path\n"
-        "from rollstream.consumers.chstore import connect\n"
+        "from rollstream.consumers.store.chstore import connect\n"
         f"c = connect('chdb://.rollstream/clickhouse', base_dir=Path({str(tmp_path)!r}))\n"
         "print(c.command('SELECT 1'))\n"
     )

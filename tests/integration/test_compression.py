@@ -13,7 +13,7 @@ from _kafka_read import read_topic
 from _processor_process import Worker, reading, sample_ids
 from _sink_process import SinkProcess
 
-from rollstream.producers.recorder import Recorder, RecorderSettings
+from rollstream.producers.sdk.recorder import Recorder, RecorderSettings
 from rollstream.schemas import Codec, CommonSettings, Event, Sample
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ import torch
 from confluent_kafka import Producer
 from torch.utils.data import DataLoader
 
-from rollstream.consumers.dataset import SamplesDataset
-from rollstream.producers.tinymodel import ensure_tiny_model
+from rollstream.consumers.training.dataset import SamplesDataset
+from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.schemas import Codec, CommonSettings, Sample
 
 pytestmark = pytest.mark.integration

@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.producers import ContextTrie, Recorder
-from rollstream.producers.chat import ChatTemplate
-from rollstream.producers.proxy import ProxySettings, create_app
-from rollstream.producers.tinymodel import ensure_tiny_model
+from rollstream.producers.proxy.chat import ChatTemplate
+from rollstream.producers.proxy.service import ProxySettings, create_app
 from rollstream.schemas import Codec, CommonSettings, Event, LlmCall, RolloutError, ToolCall
 
 pytestmark = pytest.mark.integration
@@ -70,7 +70,7 @@ def start_model_server(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "ROLLSTREAM_MODEL_PATH": str(model_dir),
            "ROLLSTREAM_MODEL_PORT": str(port), "ROLLSTREAM_MODEL_CREATE": "false"}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "rollstream.producers.model_server"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "rollstream.inference.server"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

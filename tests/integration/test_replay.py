@@ -26,8 +26,8 @@ from _sink_process import (
     wait_committed,
 )
 
-from rollstream.consumers.replay import ReplayError, ReplaySettings, run
-from rollstream.infra.topics import ensure_topics
+from rollstream.adapters.topics import ensure_topics
+from rollstream.consumers.analytics.replay import ReplayError, ReplaySettings, run
 from rollstream.schemas import Codec, CommonSettings, Event, RolloutStarted, Sample, Trajectory
 from rollstream.streams.core import GroupClosed, add_to_group, replay
 

@@ -11,9 +11,9 @@ import pytest
 from _sink_process import Committed, SinkProcess, ends_of, record_rollouts, wait_committed
 from rich.console import Console
 
-from rollstream.consumers import reports
-from rollstream.consumers.analytics_server import RefusedQuery
-from rollstream.consumers.report_cli import ReportError, ReportSettings, run
+from rollstream.consumers.analytics import reports
+from rollstream.consumers.analytics.report_cli import ReportError, ReportSettings, run
+from rollstream.consumers.analytics.server import RefusedQuery
 from rollstream.schemas import CommonSettings
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollstream.consumers import reports
-from rollstream.consumers.chstore import Table, connect, database_for, insert_batch
-from rollstream.consumers.rows import RowBatch
-from rollstream.infra.migrations import apply_migrations
+from rollstream.consumers.analytics import reports
+from rollstream.consumers.store.chstore import Table, connect, database_for, insert_batch
+from rollstream.consumers.store.migrations import apply_migrations
+from rollstream.consumers.store.rows import RowBatch
 from rollstream.schemas import (
     Event,
     LlmCall,

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollstream.consumers import reports
-from rollstream.consumers.chstore import connect, database_for, insert_batch
-from rollstream.consumers.rows import COLUMNS, RowBatch
-from rollstream.infra.migrations import MIGRATIONS_DIR, apply_migrations, load_migrations
+from rollstream.consumers.analytics import reports
+from rollstream.consumers.store.chstore import connect, database_for, insert_batch
+from rollstream.consumers.store.migrations import MIGRATIONS_DIR, apply_migrations, load_migrations
+from rollstream.consumers.store.rows import COLUMNS, RowBatch
 from rollstream.schemas import Event, LlmCall, RolloutFinished, RolloutStarted, ToolCall
 
 pytestmark = pytest.mark.integration

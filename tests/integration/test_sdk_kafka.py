@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from _kafka_read import read_topic
 
+from rollstream.adapters.topics import ensure_topics
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
-from rollstream.infra.topics import ensure_topics
 from rollstream.producers import Recorder, RecorderSettings
 from rollstream.schemas import Codec, CommonSettings, Event
 

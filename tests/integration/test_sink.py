@@ -1,4 +1,4 @@
-"""The ClickHouse sink on the real broker and real chDB (``python -m rollstream.consumers.sink``
+"""The ClickHouse sink on the real broker and real chDB (``python -m ...store.sink``
 as a subprocess; every check goes through its analytics server): SDK events land in the tables,
 offsets are committed only after the insert, poison records go to the DLQ and the sink goes on,
 and SIGKILLs at random moments lose and duplicate nothing.
@@ -30,7 +30,7 @@ from _sink_process import (
     wait_committed,
 )
 
-from rollstream.consumers.analytics_server import AnalyticsClient
+from rollstream.consumers.analytics.server import AnalyticsClient
 from rollstream.schemas import (
     Codec,
     CommonSettings,
@@ -339,7 +339,7 @@ def test_analytics_client_refuses_writes_and_reports(
         committed.close()
     api: AnalyticsClient
     with sink.client() as api:
-        from rollstream.consumers.analytics_server import AnalyticsHTTPError, RefusedQuery
+        from rollstream.consumers.analytics.server import AnalyticsHTTPError, RefusedQuery
 
         for statement in (
             "INSERT INTO events SELECT * FROM events",

@@ -1,4 +1,4 @@
-"""The sink after a crash that poisoned a dedup token (consumers/sink_verify.py).
+"""The sink after a crash that poisoned a dedup token (consumers/store/verify.py).
 
 A process killed inside a ClickHouse insert can leave the insert's token in the table's
 deduplication log without its rows; a retry with that token is then silently dropped. This
@@ -27,7 +27,7 @@ from _sink_process import (
     wait_committed,
 )
 
-from rollstream.consumers import chstore
+from rollstream.consumers.store import chstore
 from rollstream.schemas import Codec, CommonSettings, Event
 
 pytestmark = pytest.mark.integration
@@ -37,8 +37,8 @@ codec = Codec()
 POISON = textwrap.dedent(
     """
     import sys
-    from rollstream.consumers import chstore
-    from rollstream.infra.migrations import apply_migrations
+    from rollstream.consumers.store import chstore
+    from rollstream.consumers.store.migrations import apply_migrations
 
     url, db, day, tokens = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     client = chstore.connect(url)

@@ -16,10 +16,10 @@ import pytest
 from _kafka_read import read_topic
 from confluent_kafka import Producer
 
-from rollstream.consumers.checkpoint import CheckpointStore
-from rollstream.consumers.trainer import TrainerSettings, run
-from rollstream.infra.topics import ensure_topics
-from rollstream.producers.tinymodel import (
+from rollstream.adapters.topics import ensure_topics
+from rollstream.consumers.training.checkpoint import CheckpointStore
+from rollstream.consumers.training.trainer import TrainerSettings, run
+from rollstream.inference.tinymodel import (
     apply_state_dict,
     ensure_tiny_model,
     load_model,
@@ -124,7 +124,7 @@ def start_trainer(env: dict, log: Path) -> subprocess.Popen[bytes]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")} | env
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rollstream.consumers.trainer"],
+            [sys.executable, "-m", "rollstream.consumers.training.trainer"],
             env=full,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollstream.consumers.analytics_server import (
+from rollstream.consumers.analytics.server import (
     AnalyticsError,
     RefusedQuery,
     check_read_only,

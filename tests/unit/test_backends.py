@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rollstream.producers.backends import (
+from rollstream.producers.proxy.backends import (
     BackendError,
     BackendProtocolError,
     BackendRejected,

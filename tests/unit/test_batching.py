@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.consumers.batching import (
+from rollstream.consumers.training.batching import (
     BatchingError,
     StalenessFilter,
     TokenBudgetBatcher,

@@ -1,4 +1,4 @@
-"""Chat rendering and retokenization-safe bookkeeping (producers/chat.py), with the tiny model's
+"""Chat rendering and retokenization-safe bookkeeping (proxy/chat.py), with the tiny model's
 real tokenizer and ChatML template."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollstream.producers.chat import (
+from rollstream.inference.tinymodel import CHAT_TEMPLATE, train_tokenizer
+from rollstream.producers.proxy.chat import (
     ChatInputError,
     ChatMemory,
     ChatTemplate,
@@ -25,7 +26,6 @@ from rollstream.producers.chat import (
     render_prompt,
     tool_results,
 )
-from rollstream.producers.tinymodel import CHAT_TEMPLATE, train_tokenizer
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
@@ -333,7 +333,7 @@ def test_segment_cache_off_when_added_tokens_strip_spaces(hf_tok: Any) -> None:
 
 def test_chat_module_is_pure() -> None:
     """STYLE 1: chat.py imports no HTTP, Kafka or ClickHouse library."""
-    import rollstream.producers.chat as mod
+    from rollstream.producers.proxy import chat as mod
 
     tree = ast.parse(Path(mod.__file__).read_text())
     roots = set()

@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollstream.consumers.checkpoint import (
+from rollstream.consumers.training.checkpoint import (
     LATEST,
     CheckpointError,
     CheckpointMeta,
     CheckpointStore,
     Manifest,
 )
-from rollstream.producers.tinymodel import apply_state_dict, load_state_dict
+from rollstream.inference.tinymodel import apply_state_dict, load_state_dict
 
 
 def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:

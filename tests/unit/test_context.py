@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.producers.context import ContextError, ContextTrie, _Node, common_prefix
+from rollstream.producers.sdk.context import ContextError, ContextTrie, _Node, common_prefix
 
 U32 = np.uint32
 
@@ -186,7 +186,7 @@ def test_million_token_rollout_is_fast() -> None:
 
 
 def test_context_module_is_pure() -> None:
-    tree = ast.parse((Path(__file__).parents[2] / "producers" / "context.py").read_text())
+    tree = ast.parse((Path(__file__).parents[2] / "producers" / "sdk" / "context.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -266,7 +266,7 @@ def test_released_memory_is_reused_without_touching_live_tries(
 ) -> None:
     """Tries give their blocks back on release() and later tries take them: what a live trie
     holds never changes, a released trie is empty and usable, the pool keeps at most its cap."""
-    from rollstream.producers import context
+    from rollstream.producers.sdk import context
 
     pool = context._BlockPool(keep_bytes=1 << 20)
     monkeypatch.setattr(context, "_POOL", pool)

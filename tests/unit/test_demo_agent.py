@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rollstream.infra import configdoc
 from rollstream.infra.demo import rewards_by_version
-from rollstream.producers.agent import (
+from rollstream.infra.demo.agent import (
     AgentResult,
     count_digits,
     demo_tasks,

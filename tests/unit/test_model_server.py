@@ -19,19 +19,19 @@ import torch.nn.functional as F
 import uvicorn
 from safetensors.torch import save_file
 
-from rollstream.producers.backends import (
-    BackendRejected,
-    BackendUnavailable,
-    CompletionBackend,
-)
-from rollstream.producers.chat import ChatTemplate
-from rollstream.producers.model_server import ModelServerSettings, create_app
-from rollstream.producers.tinymodel import (
+from rollstream.inference.server import ModelServerSettings, create_app
+from rollstream.inference.tinymodel import (
     apply_state_dict,
     load_model,
     load_state_dict,
     make_tiny_model,
 )
+from rollstream.producers.proxy.backends import (
+    BackendRejected,
+    BackendUnavailable,
+    CompletionBackend,
+)
+from rollstream.producers.proxy.chat import ChatTemplate
 
 PROMPT = [11, 42, 7, 300, 5, 99]
 

@@ -1,4 +1,4 @@
-"""The backend pool (producers/pool.py) over real CompletionBackends whose HTTP edge is an
+"""The backend pool (producers/proxy/pool.py) over real CompletionBackends whose HTTP edge is an
 in-process fake server (httpx.MockTransport): routing, failover, health, pause/drain/resume."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rollstream.producers.backends import BackendRejected, CompletionBackend
-from rollstream.producers.pool import BackendPool, NoBackendAvailable, PoolError, PoolPaused
+from rollstream.producers.proxy.backends import BackendRejected, CompletionBackend
+from rollstream.producers.proxy.pool import BackendPool, NoBackendAvailable, PoolError, PoolPaused
 
 
 class FakeServer:
@@ -314,7 +314,7 @@ class Http1Server:
 
 
 def test_http1_transport_keep_alive_chunked_and_errors() -> None:
-    from rollstream.producers.http1 import Http1Transport
+    from rollstream.producers.proxy.http1 import Http1Transport
 
     async def main() -> None:
         srv = Http1Server()

@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from rollstream.consumers.ppo import LossConfig, loss_coefficients, ppo_clip_loss, token_logprobs
-from rollstream.consumers.treepack import tree_path_counts
+from rollstream.consumers.training.ppo import (
+    LossConfig,
+    loss_coefficients,
+    ppo_clip_loss,
+    token_logprobs,
+)
+from rollstream.consumers.training.treepack import tree_path_counts
 
 
 def _logp_for_ratios(ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,19 +15,19 @@ import pytest
 from starlette.applications import Starlette
 from ulid import ULID
 
+from rollstream.inference.tinymodel import CHAT_TEMPLATE, train_tokenizer
 from rollstream.producers import MemoryTransport, Recorder
-from rollstream.producers.backends import (
+from rollstream.producers.proxy.app import _fast_route
+from rollstream.producers.proxy.backends import (
     BackendRejected,
     BackendUnavailable,
     CompletionBackend,
 )
-from rollstream.producers.chat import ChatTemplate
-from rollstream.producers.http1 import Http1Transport
-from rollstream.producers.pool import BackendPool
-from rollstream.producers.proxy import ProxyApp, ProxySettings, create_app, new_ulid
-from rollstream.producers.proxy_asgi import _fast_route
-from rollstream.producers.rollout_api import RolloutTokens
-from rollstream.producers.tinymodel import CHAT_TEMPLATE, train_tokenizer
+from rollstream.producers.proxy.chat import ChatTemplate
+from rollstream.producers.proxy.http1 import Http1Transport
+from rollstream.producers.proxy.pool import BackendPool
+from rollstream.producers.proxy.rollout_api import RolloutTokens
+from rollstream.producers.proxy.service import ProxyApp, ProxySettings, create_app, new_ulid
 
 ADMIN = "unit-admin"
 

@@ -474,7 +474,7 @@ def test_ulids_are_unique_across_threads_and_a_fork() -> None:
 
     from ulid import ULID
 
-    from rollstream.producers.ids import new_ulid
+    from rollstream.producers.sdk.ids import new_ulid
 
     out: list[list[str]] = [[] for _ in range(8)]
 
@@ -503,7 +503,7 @@ def test_ulids_are_unique_across_threads_and_a_fork() -> None:
 
 
 def test_ulids_in_one_millisecond_count_up_by_one_and_carry() -> None:
-    from rollstream.producers.ids import new_ulid
+    from rollstream.producers.sdk.ids import new_ulid
 
     ids = [new_ulid() for _ in range(20_000)]
     values = [int(ULID.from_str(i)) for i in ids]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rollstream.consumers.replay import ReplaySettings, RolloutFilter
+from rollstream.consumers.analytics.replay import ReplaySettings, RolloutFilter
 from rollstream.schemas import Event, Reward, RolloutStarted
 
 TS = 1_735_689_600_000_000  # 2025-01-01 UTC

@@ -1,4 +1,4 @@
-"""Row mapping (rollstream.consumers.rows): every record type, round trips, bad records."""
+"""Row mapping (rollstream.consumers.store.rows): every record type, round trips, bad records."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from rollstream.consumers.rows import (
+from rollstream.consumers.store.rows import (
     COLUMNS,
     MAX_TS_US,
     TABLES,
@@ -363,7 +363,7 @@ def test_columns_use_known_kinds() -> None:
 
 def test_rows_module_is_pure() -> None:
     code = (
-        "import sys, rollstream.consumers.rows\n"
+        "import sys, rollstream.consumers.store.rows\n"
         "bad = {'clickhouse_connect', 'chdb', 'pyarrow', 'confluent_kafka', 'faust', 'httpx'}\n"
         "print(sorted(bad & set(sys.modules)))"
     )

@@ -1,4 +1,4 @@
-"""The sink's batch boundaries (consumers/sink_batches.py): pure, no Kafka, no ClickHouse.
+"""The sink's batch boundaries (consumers/store/batches.py): pure, no Kafka, no ClickHouse.
 
 The property that makes the sink idempotent: whatever the timer does and wherever the process
 crashes (between an intent and its insert, between an insert and its commit), the batches
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.consumers.sink_batches import INTENT_PREFIX, BatchCutter, RawBatch, parse_intent
+from rollstream.consumers.store.batches import INTENT_PREFIX, BatchCutter, RawBatch, parse_intent
 
 
 def cutter(align: int = 10, max_bytes: int = 1 << 30, intent: tuple[int, int] | None = None):

@@ -1,4 +1,4 @@
-"""The sink's columnar mapper (rollstream.consumers.columnar.ColumnBatch) against the row mapper
+"""The sink's columnar mapper (store.columnar.ColumnBatch) against the row mapper
 (rows.RowBatch + chstore.arrow_tables): the same Arrow tables, row for row, for every body type
 and edge value; the same records rejected with the same reasons; the same token and counts."""
 
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.consumers import chstore
-from rollstream.consumers.columnar import ColumnBatch
-from rollstream.consumers.rows import MAX_TS_US, RowBatch, RowError
-from rollstream.consumers.sink_workers import (
+from rollstream.consumers.store import chstore
+from rollstream.consumers.store.columnar import ColumnBatch
+from rollstream.consumers.store.rows import MAX_TS_US, RowBatch, RowError
+from rollstream.consumers.store.workers import (
     MAPPING_GC_THRESHOLD,
     MapJob,
     map_batch,

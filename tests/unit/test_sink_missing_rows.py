@@ -1,10 +1,10 @@
-"""Verified re-inserts (consumers/sink_verify.py): which rows of a batch are still missing."""
+"""Verified re-inserts (consumers/store/verify.py): which rows of a batch are still missing."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-from rollstream.consumers.sink_verify import fresh_token, missing_rows
+from rollstream.consumers.store.verify import fresh_token, missing_rows
 
 
 def table(offsets: list[int], tag: str) -> pa.Table:

@@ -1,4 +1,4 @@
-"""Decoding and mapping the sink's batches (consumers/sink_workers.py): in process and in worker
+"""Decoding and mapping the sink's batches (consumers/store/workers.py): in process and in worker
 processes, the same rows, the same dead letters, the batch's own token."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from rollstream.consumers import chstore
-from rollstream.consumers.rows import RowBatch
-from rollstream.consumers.sink_workers import MapJob, MapPool, map_batch, map_to_arrow
+from rollstream.consumers.store import chstore
+from rollstream.consumers.store.rows import RowBatch
+from rollstream.consumers.store.workers import MapJob, MapPool, map_batch, map_to_arrow
 from rollstream.schemas import (
     Branch,
     Codec,
@@ -168,7 +168,7 @@ def test_a_dead_worker_fails_its_jobs() -> None:
 
 def test_workers_die_when_the_sink_is_killed() -> None:
     code = (
-        "from rollstream.consumers.sink_workers import MapPool\n"
+        "from rollstream.consumers.store.workers import MapPool\n"
         "pool = MapPool(2); pool.warm_up()\n"
         "print(*[w.proc.pid for w in pool._workers], flush=True)\n"
         "import time; time.sleep(60)\n"

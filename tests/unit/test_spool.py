@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.producers.spool import Spool, SpoolItem, record_digest
+from rollstream.producers.sdk.spool import Spool, SpoolItem, record_digest
 
 
 def item(i: int, *, topic: str = "t", uncertain: bool = False, size: int = 10) -> SpoolItem:

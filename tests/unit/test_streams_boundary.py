@@ -18,7 +18,7 @@ FORBIDDEN = (
 
 PROBE = """
 import importlib, json, pkgutil, sys
-import rollstream.streams.core as core
+from rollstream.streams import core
 names = [m.name for m in pkgutil.walk_packages(core.__path__, core.__name__ + ".")]
 for name in names:
     importlib.import_module(name)

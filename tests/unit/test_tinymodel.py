@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from rollstream.producers.tinymodel import (
+from rollstream.inference.tinymodel import (
     CHAT_TEMPLATE,
     DEFAULT_CORPUS,
     SPECIAL_TOKENS,

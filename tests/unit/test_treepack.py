@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollstream.consumers.batching import collate
-from rollstream.consumers.ppo import LossConfig, batch_loss
-from rollstream.consumers.treepack import (
+from rollstream.consumers.training.batching import collate
+from rollstream.consumers.training.ppo import LossConfig, batch_loss
+from rollstream.consumers.training.treepack import (
     TreeError,
     additive_mask,
     ancestor_mask,

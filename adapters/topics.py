@@ -1,0 +1,170 @@
+"""Topic manager: creates the topics declared in rollstream.schemas.topics, idempotently.
+
+An existing topic is left as it is (its partitions and config are reported, not changed, except
+that missing config keys are set); a missing one is created with the declared partitions,
+replication, retention and cleanup policy.
+
+    TopicError                       root of rollstream.adapters.topics
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from rollstream.schemas import CommonSettings, TopicSpec
+
+__all__ = [
+    "TopicError",
+    "TopicState",
+    "admin_client",
+    "describe_topics",
+    "ensure_topics",
+    "watermarks",
+]
+
+
+class TopicError(Exception):
+    """A topic could not be created or described."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicState:
+    name: str
+    partitions: int
+    messages: int
+    created: bool = False
+
+
+def admin_client(settings: CommonSettings) -> AdminClient:
+    return AdminClient(settings.kafka_config())
+
+
+def ensure_topics(
+    settings: CommonSettings,
+    specs: list[TopicSpec] | None = None,
+    *,
+    admin: AdminClient | None = None,
+    timeout: float = 30.0,
+) -> list[str]:
+    """Create the missing topics; returns the names created now. Safe to call any time."""
+    admin = admin or admin_client(settings)
+    specs = specs if specs is not None else settings.topics().specs()
+    try:
+        existing = set(admin.list_topics(timeout=timeout).topics)
+    except KafkaException as exc:
+        raise TopicError(f"cannot list topics at {settings.kafka_bootstrap}: {exc}") from exc
+    missing = [s for s in specs if s.name not in existing]
+    if not missing:
+        return []
+    futures = admin.create_topics(
+        [
+            NewTopic(
+                s.name,
+                num_partitions=s.partitions,
+                replication_factor=s.replication,
+                config=s.broker_config(),
+            )
+            for s in missing
+        ],
+        operation_timeout=timeout,
+        request_timeout=timeout,
+    )
+    created: list[str] = []
+    for name, fut in futures.items():
+        try:
+            fut.result()
+            created.append(name)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue  # a concurrent creator won the race: same outcome
+            raise TopicError(f"creating {name}: {exc}") from exc
+    _wait_for_leaders(admin, created, timeout)
+    _wait_for_offsets(settings, created, timeout)
+    return sorted(created)
+
+
+def _wait_for_offsets(settings: CommonSettings, names: list[str], timeout: float) -> None:
+    """Metadata names a leader before that leader serves the partition (NOT_LEADER for a moment
+    after creation): ask each new partition for its offsets, so the topics are usable at once."""
+    if not names:
+        return
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**settings.kafka_config(), "group.id": "rollstream-topics-ready"})
+    try:
+        md = consumer.list_topics(timeout=timeout)
+        for name in names:
+            for p in md.topics[name].partitions:
+                watermarks(consumer, TopicPartition(name, p), timeout)
+    finally:
+        consumer.close()
+
+
+def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:
+    """New partitions have no leader for a moment; wait so callers can use them at once."""
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        md = admin.list_topics(timeout=timeout)
+        for name in list(pending):
+            topic = md.topics.get(name)
+            if (
+                topic is not None
+                and topic.error is None
+                and topic.partitions
+                and all(p.leader >= 0 and p.error is None for p in topic.partitions.values())
+            ):
+                pending.discard(name)
+        if pending:
+            time.sleep(0.1)
+    if pending:
+        raise TopicError(f"no partition leaders after {timeout:.0f}s for {sorted(pending)}")
+
+
+def describe_topics(settings: CommonSettings, *, timeout: float = 10.0) -> list[TopicState]:
+    """Partitions and message counts (high - low watermark) of this namespace's topics."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    admin = admin_client(settings)
+    md = admin.list_topics(timeout=timeout)
+    names = [s.name for s in settings.topics().specs()]
+    consumer = Consumer(
+        {
+            **settings.kafka_config(),
+            "group.id": "rollstream-topics-describe",
+            "enable.auto.commit": False,
+        }
+    )
+    out: list[TopicState] = []
+    try:
+        for name in names:
+            topic = md.topics.get(name)
+            if topic is None or topic.error is not None:
+                continue
+            total = 0
+            for p in topic.partitions:
+                lo, hi = watermarks(consumer, TopicPartition(name, p), timeout)
+                total += hi - lo
+            out.append(TopicState(name, len(topic.partitions), total))
+    finally:
+        consumer.close()
+    return out
+
+
+def watermarks(consumer: Any, tp: Any, timeout: float) -> tuple[int, int]:
+    """Watermarks, retrying while a just-created partition's leader is still loading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lo, hi = consumer.get_watermark_offsets(tp, timeout=timeout)
+            return int(lo), int(hi)
+        except KafkaException as exc:
+            if time.monotonic() > deadline:
+                raise TopicError(f"watermarks of {tp.topic}[{tp.partition}]: {exc}") from exc
+            time.sleep(0.2)

@@ -1,0 +1,440 @@
+"""Training checkpoints, committed atomically: weights the inference server can reload, optimizer
+and RNG state, the consumed Kafka offsets, and a manifest of the records each step covered.
+
+Layout of a checkpoint root (``TrainerSettings.checkpoint_dir``)::
+
+    latest                          "step-00000012": the committed checkpoint (the commit point)
+    step-00000012/
+        model/                      save_pretrained: config.json, model.safetensors, tokenizer
+        trainer.pt                  optimizer state, RNG states (torch.save; our own file)
+        meta.json                   step, policy version, offsets, counters, metrics, manifest
+    manifests/step-00000012.json    the (partition, offset) records step 12 trained / dropped
+    .tmp-step-00000013-k2j4/        a write in progress, or left by a crash
+
+``CheckpointStore.save`` commits in this order:
+    1. write model/, trainer.pt, meta.json into a fresh temp dir in the root; fsync them
+    2. rename the temp dir to step-N (atomic within one file system); fsync the root
+    3. write manifests/step-N.json (temp file + os.replace)
+    4. write ``latest`` (temp file + os.replace): from here on step N is committed
+    5. prune: step dirs beyond the newest ``keep`` are renamed away, then deleted
+A crash anywhere before 4 leaves ``latest`` on step N - 1, a complete checkpoint. Opening the
+store (``recover``) removes what an interrupted save left: temp dirs, and step dirs and manifests
+newer than ``latest``. So the manifests on disk are exactly those of the committed steps, and
+their union is the set of records the committed model has seen (``manifests``).
+
+The model dir is a plain transformers checkpoint (``AutoModelForCausalLM.from_pretrained`` and
+the reference server's ``/v1/load_weights`` read it; so does vLLM when the tokenizer files of
+the base model are copied in, which ``save`` does with ``copy_from``).
+
+Errors::
+
+    CheckpointError     root of this module: a root that is not a consistent
+                        store, a checkpoint that does not fit the model
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "LATEST",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointStore",
+    "Manifest",
+    "load_weights",
+    "rng_state",
+    "set_rng_state",
+]
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", "rollstream.json"}
+
+
+class CheckpointError(Exception):
+    """Root of rollstream.consumers.training.checkpoint."""
+
+
+@dataclass(slots=True)
+class Manifest:
+    """The records one step covered, as (partition, offset) pairs of ``topic``: ``trained``
+    went into the gradient, ``stale`` were dropped by the staleness filter, ``dlq`` were sent to
+    the dead-letter topic. Together they are every record between two checkpoints' offsets."""
+
+    topic: str
+    trained: list[tuple[int, int]] = field(default_factory=list)
+    stale: list[tuple[int, int]] = field(default_factory=list)
+    dlq: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "trained": [list(x) for x in self.trained],
+            "stale": [list(x) for x in self.stale],
+            "dlq": [list(x) for x in self.dlq],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        def pairs(key: str) -> list[tuple[int, int]]:
+            return [(int(p), int(o)) for p, o in data.get(key, [])]
+
+        return cls(str(data["topic"]), pairs("trained"), pairs("stale"), pairs("dlq"))
+
+
+@dataclass(slots=True)
+class CheckpointMeta:
+    """What a checkpoint records besides tensors. ``offsets[topic][partition]`` is the next
+    offset to read: every record before it is covered by this or an earlier step."""
+
+    step: int
+    policy_version: int
+    offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    samples_trained: int = 0
+    tokens_trained: int = 0
+    counters: dict[str, float] = field(default_factory=dict)  # cumulative: stale, dlq, ...
+    metrics: dict[str, float] = field(default_factory=dict)  # of this step
+    manifest: Manifest | None = None
+    base_model: str = ""
+    ts: int = 0  # microseconds since the epoch
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["offsets"] = {t: {str(p): o for p, o in ps.items()} for t, ps in self.offsets.items()}
+        data["manifest"] = None if self.manifest is None else self.manifest.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckpointMeta:
+        manifest = data.get("manifest")
+        return cls(
+            step=int(data["step"]),
+            policy_version=int(data["policy_version"]),
+            offsets={
+                t: {int(p): int(o) for p, o in ps.items()}
+                for t, ps in data.get("offsets", {}).items()
+            },
+            samples_trained=int(data.get("samples_trained", 0)),
+            tokens_trained=int(data.get("tokens_trained", 0)),
+            counters={k: float(v) for k, v in data.get("counters", {}).items()},
+            metrics={k: float(v) for k, v in data.get("metrics", {}).items()},
+            manifest=None if manifest is None else Manifest.from_json(manifest),
+            base_model=str(data.get("base_model", "")),
+            ts=int(data.get("ts", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A committed checkpoint on disk."""
+
+    path: Path
+    meta: CheckpointMeta
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+    @property
+    def model_dir(self) -> Path:
+        """The weights as a transformers checkpoint dir: the PolicyVersion checkpoint_uri."""
+        return self.path / "model"
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _write_atomic(path: Path, text: str, *, fsync: bool) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old or the new content, never a mix."""
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_path(path.parent)
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---- RNG and weights --------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from: python, numpy, torch CPU and CUDA."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_model(model: nn.Module, out: Path) -> None:
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained):
+        save_pretrained(out)
+        return
+    from safetensors.torch import save_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out / "model.safetensors"))
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Load every ``*.safetensors`` file of ``model_dir`` into ``model`` in place. Keys missing
+    from the files are allowed only for tensors tied to one that is present (save_pretrained
+    writes a tied lm_head once); anything else raises CheckpointError."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    current = model.state_dict()
+    unexpected = sorted(k for k in state if k not in current)
+    present = {current[k].data_ptr() for k in state if k in current}
+    missing = sorted(k for k in current if k not in state and current[k].data_ptr() not in present)
+    if unexpected or missing:
+        raise CheckpointError(
+            f"weights in {model_dir} do not fit the model: "
+            f"missing={missing[:5]} unexpected={unexpected[:5]}"
+        )
+    try:
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatch
+        raise CheckpointError(f"weights in {model_dir} do not fit the model: {exc}") from exc
+
+
+# ---- the store --------------------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """Checkpoints under ``root``: ``save`` commits one atomically (see the module docstring),
+    ``latest`` returns the committed one, ``restore`` loads it into a model and optimizer.
+
+    Opening the store recovers from an interrupted save (``recovered`` lists what was removed).
+    One writer per root: two trainers must not share a checkpoint dir."""
+
+    def __init__(self, root: str | os.PathLike[str], *, keep: int = 3, fsync: bool = True):
+        if keep < 1:
+            raise CheckpointError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "manifests").mkdir(exist_ok=True)
+        self.recovered = self.recover()
+
+    # -- reading
+
+    def _latest_name(self) -> str | None:
+        pointer = self.root / LATEST
+        if not pointer.exists():
+            return None
+        name = pointer.read_text().strip()
+        if not _STEP_DIR.match(name):
+            raise CheckpointError(f"{pointer} holds {name!r}, not a step dir name")
+        return name
+
+    def steps(self) -> list[int]:
+        """Steps whose dirs are on disk (committed ones after ``recover``), ascending."""
+        found = (_STEP_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def latest(self) -> Checkpoint | None:
+        """The committed checkpoint, or None when nothing was ever committed."""
+        name = self._latest_name()
+        if name is None:
+            return None
+        return self.load(self.root / name)
+
+    def load(self, path: Path) -> Checkpoint:
+        meta_file = path / "meta.json"
+        if not meta_file.is_file():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+        try:
+            meta = CheckpointMeta.from_json(json.loads(meta_file.read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{meta_file} is not valid checkpoint metadata: {exc}") from exc
+        return Checkpoint(path, meta)
+
+    def manifests(self) -> list[tuple[int, Manifest]]:
+        """(step, manifest) of every committed step still on record, ascending by step."""
+        out = []
+        for f in (self.root / "manifests").glob("step-*.json"):
+            m = _STEP_DIR.match(f.stem)
+            if m:
+                out.append((int(m.group(1)), Manifest.from_json(json.loads(f.read_text()))))
+        return sorted(out, key=lambda x: x[0])
+
+    # -- recovery
+
+    def recover(self) -> list[str]:
+        """Remove what an interrupted save or prune left behind; return the names removed."""
+        latest = self._latest_name()
+        if latest is not None and not (self.root / latest / "meta.json").is_file():
+            raise CheckpointError(f"{self.root / LATEST} points to a missing checkpoint {latest}")
+        last = -1 if latest is None else int(latest.removeprefix("step-"))
+        removed: list[str] = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            junk = p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or (
+                m is not None and int(m.group(1)) > last
+            )
+            if junk:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                removed.append(p.name)
+        for f in (self.root / "manifests").iterdir():
+            m = _STEP_DIR.match(f.stem)
+            if f.name.startswith(_TMP_PREFIX) or (m is not None and int(m.group(1)) > last):
+                f.unlink()
+                removed.append(f"manifests/{f.name}")
+        self._prune(last)
+        return removed
+
+    def _prune(self, last: int) -> None:
+        committed = [s for s in self.steps() if s <= last]
+        for step in committed[: -self.keep]:
+            src = self.root / _step_name(step)
+            trash = self.root / f"{_TRASH_PREFIX}{src.name}"
+            src.rename(trash)  # atomic: a crash never leaves a half-deleted step dir
+            shutil.rmtree(trash)
+
+    # -- writing
+
+    def save(
+        self,
+        meta: CheckpointMeta,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        copy_from: Path | None = None,
+        before_commit: Callable[[Path], None] | None = None,
+    ) -> Checkpoint:
+        """Write and commit the checkpoint of ``meta.step`` (see the module docstring).
+
+        copy_from: a model dir whose tokenizer and other non-weight files are copied into the
+        checkpoint's model dir. before_commit(temp_dir) runs when everything is written but not
+        yet renamed (a debug hook: the trainer pauses there for crash tests)."""
+        name = _step_name(meta.step)
+        if (self.root / name).exists():
+            raise CheckpointError(f"{self.root / name} exists: step {meta.step} was committed")
+        meta.ts = meta.ts or time.time_ns() // 1000
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=self.root))
+        try:
+            model_dir = tmp / "model"
+            _save_model(model, model_dir)
+            if copy_from is not None:
+                _copy_support_files(copy_from, model_dir)
+            info = {"policy_version": meta.policy_version, "trainer_step": meta.step}
+            (model_dir / "rollstream.json").write_text(json.dumps(info))
+            torch.save(
+                {
+                    "optimizer": None if optimizer is None else optimizer.state_dict(),
+                    "rng": rng_state(),
+                },
+                tmp / "trainer.pt",
+            )
+            (tmp / "meta.json").write_text(json.dumps(meta.to_json()))
+            if self.fsync:
+                _fsync_tree(tmp)
+            if before_commit is not None:
+                before_commit(tmp)
+            tmp.rename(self.root / name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if self.fsync:
+            _fsync_path(self.root)
+        if meta.manifest is not None:
+            manifest_file = self.root / "manifests" / f"{name}.json"
+            _write_atomic(manifest_file, json.dumps(meta.manifest.to_json()), fsync=self.fsync)
+        _write_atomic(self.root / LATEST, name + "\n", fsync=self.fsync)  # the commit point
+        self._prune(meta.step)
+        return Checkpoint(self.root / name, meta)
+
+    def restore(
+        self,
+        checkpoint: Checkpoint,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        restore_rng: bool = True,
+    ) -> CheckpointMeta:
+        """Load the checkpoint's weights (and optimizer and RNG state) in place."""
+        load_weights(model, checkpoint.model_dir)
+        state = torch.load(checkpoint.path / "trainer.pt", map_location="cpu", weights_only=False)
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if restore_rng:
+            set_rng_state(state["rng"])
+        return checkpoint.meta
+
+
+def _copy_support_files(src: Path, dst: Path) -> None:
+    """Copy tokenizer files and the like (everything but weights and files save writes)."""
+    files: Iterable[Path] = (p for p in src.iterdir() if p.is_file())
+    for f in files:
+        if (
+            f.suffix in _WEIGHT_SUFFIXES
+            or f.name in _WRITTEN_BY_SAVE
+            or f.name.endswith(".index.json")
+        ):
+            continue
+        if not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)

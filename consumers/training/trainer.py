@@ -1,0 +1,585 @@
+"""`rollstream train`: the PPO trainer over the samples topic, exactly once per sample.
+
+The loop, top to bottom (``Trainer.run``):
+
+    record = source.decode(msg)               # bad records -> DLQ (dataset.SampleSource)
+    batcher.add(sample) closes a batch?       # token budget, arrival order (batching)
+    fresh = staleness filter at version N     # N = the trainer's step = version of the weights
+    logp = batch_token_logprobs(model, batch) # tree forward when the batch has trees (treepack)
+    loss = batch_loss(logp, batch) ; AdamW    # PPO-clip with clip-higher (ppo)
+    checkpoint step N+1 (atomic, with offsets and manifest) THEN publish PolicyVersion(N+1)
+
+Exactly once. A batch covers every record read before the sample that closed it (DLQ'd and
+stale ones included), so "everything before offset X of partition p is trained or dropped" holds
+at each step. The checkpoint (checkpoint.CheckpointStore) records, per partition, the next offset
+after the covered records, and a manifest of them; it is committed atomically, and only then is
+the PolicyVersion published (acks=all, flushed). On start the trainer loads the latest
+checkpoint and, at every partition assignment, seeks to its offsets: the checkpoint is the
+source of truth, never the group's committed offsets (which are committed after each checkpoint
+for lag monitoring only). A crash at any point re-reads exactly the records after the last
+committed step, so no sample is trained twice or skipped. If the crash came between the commit
+and the publish, the start publishes the missing PolicyVersion (it reads the policy topic's
+last record). Version N = weights after step N; a sample is stale when
+N - sample.policy_version > max_staleness at the step that would train it; a batch that is all
+stale makes no step (its records are covered by the next step).
+
+Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the trainer write
+``<checkpoint_dir>/debug-paused.json`` and sleep ``train_debug_pause_s`` at STAGE of step STEP:
+``optimizer`` (weights updated in memory, nothing written), ``checkpoint`` (checkpoint written
+to its temp dir, not committed), ``committed`` (committed, not published), ``published``.
+
+Errors::
+
+    TrainerError        root of this module: a PolicyVersion that could not be
+                        published, a bad setting
+    (also raised through run: checkpoint.CheckpointError, dataset.SourceError)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from pydantic_settings import SettingsConfigDict
+from torch import Tensor, nn
+
+from rollstream.consumers.training.batching import StalenessFilter, TokenBudgetBatcher, collate
+from rollstream.consumers.training.checkpoint import (
+    Checkpoint,
+    CheckpointMeta,
+    CheckpointStore,
+    Manifest,
+)
+from rollstream.consumers.training.dataset import Polled, SampleSource, close_producer
+from rollstream.consumers.training.ppo import LossConfig, Normalization, batch_loss
+from rollstream.consumers.training.treepack import batch_token_logprobs
+from rollstream.schemas import Codec, CommonSettings, DecodeError, PolicyVersion
+
+__all__ = [
+    "DEBUG_STAGES",
+    "TRAINER_GROUP",
+    "TrainResult",
+    "Trainer",
+    "TrainerError",
+    "TrainerSettings",
+    "build_optimizer",
+    "last_published_version",
+    "load_policy",
+    "main",
+    "run",
+    "train_step",
+]
+
+log = logging.getLogger("rollstream.trainer")
+
+TRAINER_GROUP = "rollstream-trainer-v1"
+DEBUG_STAGES = ("optimizer", "checkpoint", "committed", "published")
+
+
+class TrainerError(Exception):
+    """Root of rollstream.consumers.training.trainer."""
+
+
+class TrainerSettings(CommonSettings):
+    """Settings of the trainer (ROLLSTREAM_*; trainer-only ones are ROLLSTREAM_TRAIN_*).
+    An optional setting is unset with the value ``none`` (ROLLSTREAM_TRAIN_MAX_GRAD_NORM=none)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
+    )
+
+    model_path: Path | None = None  # initial weights; default <home>/models/tiny (as the server)
+    model_create: bool = True  # create the tiny model at model_path when none is there
+    checkpoint_dir: Path | None = None  # default <home>/checkpoints
+    checkpoint_keep: int = 3
+    checkpoint_fsync: bool = True
+    train_group_id: str = TRAINER_GROUP
+    train_instance_id: str | None = "trainer-0"  # static group membership: fast restarts
+    train_lr: float = 1e-5
+    train_weight_decay: float = 0.0
+    train_max_grad_norm: float | None = 1.0
+    train_token_budget: int = 16384  # padded tokens (B * T_max) per step
+    train_batch_samples: int | None = None  # cap on samples per step
+    train_max_staleness: int = 4
+    train_clip_low: float = 0.2
+    train_clip_high: float = 0.28
+    train_normalization: Normalization = "rollout"
+    train_max_steps: int | None = None  # total steps (a restart continues towards it)
+    train_device: str = "cpu"
+    train_attn_implementation: str | None = None  # default: the model's (sdpa)
+    train_torch_threads: int | None = None
+    train_seed: int = 0
+    train_start: Literal["earliest", "latest"] = "earliest"  # partitions with no checkpoint
+    train_poll_timeout_s: float = 0.5
+    train_poll_records: int = 500
+    train_flush_idle_s: float | None = 5.0  # train a partial batch after this long idle
+    train_exit_idle_s: float | None = None  # return after this long idle with nothing pending
+    train_session_timeout_ms: int = 6000
+    train_max_poll_interval_ms: int = 1_800_000
+    train_commit_offsets: bool = True  # commit to the group after each checkpoint (lag)
+    train_publish_timeout_s: float = 30.0
+    train_debug_pause: str | None = None  # "STAGE:STEP", see the module docstring
+    train_debug_pause_s: float = 3600.0
+
+    def resolved_model_path(self) -> Path:
+        return self.model_path if self.model_path is not None else self.home / "models" / "tiny"
+
+    def resolved_checkpoint_dir(self) -> Path:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.home / "checkpoints"
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(self.train_clip_low, self.train_clip_high, self.train_normalization)
+
+    def debug_pause(self) -> tuple[str, int] | None:
+        if not self.train_debug_pause:
+            return None
+        stage, _, step = self.train_debug_pause.partition(":")
+        if stage not in DEBUG_STAGES or not step.isdigit():
+            raise TrainerError(
+                f"train_debug_pause must be STAGE:STEP with STAGE in {DEBUG_STAGES}, "
+                f"got {self.train_debug_pause!r}"
+            )
+        return stage, int(step)
+
+
+@dataclass
+class TrainResult:
+    step: int  # total steps = policy version of the latest weights
+    steps_run: int  # steps made by this run
+    resumed_from: int | None  # the checkpoint step this run started from
+    samples_trained: int
+    tokens_trained: int
+    stale_dropped: int
+    dlq: int
+    checkpoint: Path | None
+    wall_s: float
+    metrics: dict[str, float] = field(default_factory=dict)  # of the last step
+
+
+# ---- the step ---------------------------------------------------------------------------------
+
+
+def load_policy(settings: TrainerSettings) -> nn.Module:
+    """The model to train, from ``model_path`` (created as the tiny model when allowed)."""
+    from transformers import AutoModelForCausalLM
+
+    path = settings.resolved_model_path()
+    if settings.model_create:
+        from rollstream.inference.tinymodel import ensure_tiny_model
+
+        ensure_tiny_model(path, seed=settings.train_seed)
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "local_files_only": True}
+    if settings.train_attn_implementation:
+        kwargs["attn_implementation"] = settings.train_attn_implementation
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(torch.device(settings.train_device)).train()
+
+
+def build_optimizer(model: nn.Module, settings: TrainerSettings) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=settings.train_lr, weight_decay=settings.train_weight_decay)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, Tensor],
+    config: LossConfig,
+    max_grad_norm: float | None = 1.0,
+) -> dict[str, float]:
+    """One PPO step on a collated batch (already on the model's device): forward, loss,
+    backward, clip, AdamW. Returns the loss stats as floats; ``skipped`` is 1 when the gradient
+    was not finite and the weights were left unchanged."""
+    model.train()
+    logp = batch_token_logprobs(model, batch)  # (B, T), token-indexed like old_logprobs
+    loss, stats = batch_loss(logp, batch, config)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))
+    finite = math.isfinite(norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "grad_norm": norm, "skipped": float(not finite)} | {
+        k: float(v) for k, v in stats.items()
+    }
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Window:
+    """Records covered by closed batches since the last committed step, and the staleness
+    filter that counted them."""
+
+    filter: StalenessFilter
+    stale: list[Polled] = field(default_factory=list)
+    dlq: list[Polled] = field(default_factory=list)
+
+
+def _coords(entries: list[Polled]) -> list[tuple[int, int]]:
+    return [(e.partition, e.offset) for e in entries]
+
+
+class Trainer:
+    """One trainer process: model, optimizer, checkpoint store, sample source, producer."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.settings = s = settings
+        self.pause_at = s.debug_pause()
+        if s.train_torch_threads:
+            torch.set_num_threads(s.train_torch_threads)
+        torch.manual_seed(s.train_seed)
+        self.device = torch.device(s.train_device)
+        self.loss_config = s.loss_config()
+        self.topics = s.topics()
+        self.codec = Codec()
+        self.store = CheckpointStore(
+            s.resolved_checkpoint_dir(), keep=s.checkpoint_keep, fsync=s.checkpoint_fsync
+        )
+        self.model = load_policy(s)
+        self.optimizer = build_optimizer(self.model, s)
+        self.latest: Checkpoint | None = self.store.latest()
+        self.step = 0
+        self.samples_trained = 0
+        self.tokens_trained = 0
+        self.counters: dict[str, float] = {"stale_dropped": 0, "stale_tokens": 0, "dlq": 0}
+        self.offsets: dict[int, int] = {}  # samples topic: next offset per partition
+        self.resumed_from: int | None = None
+        if self.latest is not None:
+            meta = self.store.restore(self.latest, self.model, self.optimizer)
+            self.step = meta.step
+            self.samples_trained, self.tokens_trained = meta.samples_trained, meta.tokens_trained
+            self.counters.update(meta.counters)
+            self.offsets = dict(meta.offsets.get(self.topics.samples, {}))
+            self.resumed_from = meta.step
+            log.info("resumed from %s (step %d)", self.latest.path, meta.step)
+        self.source = SampleSource(
+            s,
+            group_id=self.topics.name(s.train_group_id),  # namespaced, like the topics
+            instance_id=s.train_instance_id,
+            positions=lambda: self.offsets,
+            start=s.train_start,
+            max_tokens=s.train_token_budget,
+            session_timeout_ms=s.train_session_timeout_ms,
+            max_poll_interval_ms=s.train_max_poll_interval_ms,
+            stage="trainer",
+            codec=self.codec,
+        )
+        self.producer = Producer(
+            {**s.kafka_config(), "enable.idempotence": True, "acks": "all", "linger.ms": 0}
+        )
+        self._stop = False
+        self._reset()
+
+    # -- state of the open batch and the uncommitted window
+
+    def _reset(self) -> None:
+        """Forget everything read since the last committed step (it will be read again)."""
+        self.batcher = TokenBudgetBatcher(
+            self.settings.train_token_budget, self.settings.train_batch_samples
+        )
+        self.pending: list[Polled] = []  # records of the open batch, in arrival order
+        self.window = _Window(StalenessFilter(self.settings.train_max_staleness))
+        self.generation = self.source.generation
+        for partition, offset in self.source.assignment.items():
+            if offset >= 0:  # a resolved start (train_start=latest): later checkpoints keep it
+                self.offsets.setdefault(partition, offset)
+
+    def stop(self) -> None:
+        """Ask the loop to return after the current step (signal handlers call this)."""
+        self._stop = True
+
+    def _done(self) -> bool:
+        max_steps = self.settings.train_max_steps
+        return self._stop or (max_steps is not None and self.step >= max_steps)
+
+    def run(self) -> TrainResult:
+        s = self.settings
+        started = time.monotonic()
+        first_step = self.step
+        self._publish_missing()
+        last_activity = time.monotonic()
+        while not self._done():
+            records = self.source.fetch(s.train_poll_records, s.train_poll_timeout_s)
+            now = time.monotonic()
+            if self.source.generation != self.generation:
+                self._reset()  # partitions moved: they were sought back to our offsets
+                last_activity = now
+            if records:
+                last_activity = now
+                for msg in records:
+                    self._intake(self.source.decode(msg))
+                    if self._done():
+                        break
+                continue
+            idle = now - last_activity
+            if self.pending and s.train_flush_idle_s is not None and idle >= s.train_flush_idle_s:
+                self.batcher.flush()
+                covered, self.pending = self.pending, []
+                self._close_batch(covered)
+            elif (
+                not self.pending
+                and s.train_exit_idle_s is not None
+                and self.source.assignment
+                and idle >= s.train_exit_idle_s
+            ):
+                break
+        return TrainResult(
+            step=self.step,
+            steps_run=self.step - first_step,
+            resumed_from=self.resumed_from,
+            samples_trained=self.samples_trained,
+            tokens_trained=self.tokens_trained,
+            stale_dropped=int(self.counters["stale_dropped"]),
+            dlq=int(self.counters["dlq"]),
+            checkpoint=None if self.latest is None else self.latest.model_dir,
+            wall_s=time.monotonic() - started,
+            metrics=dict(self.latest.meta.metrics) if self.latest is not None else {},
+        )
+
+    def _intake(self, rec: Polled) -> None:
+        if rec.sample is not None:
+            closed = self.batcher.add(rec.sample)
+            if closed is not None:  # the batch is every record before this one
+                covered, self.pending = self.pending, []
+                self._close_batch(covered)
+        self.pending.append(rec)
+
+    def _close_batch(self, covered: list[Polled]) -> None:
+        """Filter a closed batch by staleness, and train on what is left (if anything)."""
+        version = self.step  # the weights this step updates
+        kept: list[Polled] = []
+        for e in covered:
+            if e.sample is None:
+                self.window.dlq.append(e)
+            elif self.window.filter.keep(e.sample, version):
+                kept.append(e)
+            else:
+                self.window.stale.append(e)
+        if kept:
+            self._train(kept, covered)
+
+    def _train(self, kept: list[Polled], covered: list[Polled]) -> None:
+        """One optimizer step on the kept samples, then commit it with everything covered."""
+        t0 = time.perf_counter()
+        samples = [e.sample for e in kept if e.sample is not None]
+        batch = {k: v.to(self.device) for k, v in collate(samples).items()}
+        metrics = train_step(
+            self.model, self.optimizer, batch, self.loss_config, self.settings.train_max_grad_norm
+        )
+        step = self.step + 1
+        self._debug_pause("optimizer", step)
+        metrics["padded_tokens"] = float(batch["input_ids"].numel())
+        metrics["step_time_s"] = time.perf_counter() - t0
+        self._commit(self._step_meta(step, kept, covered, metrics))
+
+    def _step_meta(
+        self, step: int, kept: list[Polled], covered: list[Polled], metrics: dict[str, float]
+    ) -> CheckpointMeta:
+        """The checkpoint metadata of a step: offsets past every covered record, counters."""
+        window = self.window
+        offsets = dict(self.offsets)
+        for e in window.stale + window.dlq + covered:
+            offsets[e.partition] = max(offsets.get(e.partition, 0), e.offset + 1)
+        samples = [e.sample for e in kept if e.sample is not None]
+        tokens = sum(len(x.input_ids) for x in samples)
+        counters = dict(self.counters)
+        counters["stale_dropped"] += window.filter.dropped
+        counters["stale_tokens"] += window.filter.dropped_tokens
+        counters["dlq"] += len(window.dlq)
+        counters["skipped_steps"] = counters.get("skipped_steps", 0.0) + metrics["skipped"]
+        counters["max_staleness_seen"] = max(
+            counters.get("max_staleness_seen", 0.0), float(window.filter.max_seen_staleness)
+        )
+        metrics |= {
+            "batch_samples": float(len(samples)),
+            "batch_tokens": float(tokens),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "stale_dropped_step": float(window.filter.dropped),
+            "dlq_step": float(len(window.dlq)),
+            "policy_version_min": float(min(x.policy_version for x in samples)),
+            **counters,
+        }
+        topic = self.topics.samples
+        return CheckpointMeta(
+            step=step,
+            policy_version=step,
+            offsets={topic: offsets},
+            samples_trained=self.samples_trained + len(samples),
+            tokens_trained=self.tokens_trained + tokens,
+            counters=counters,
+            metrics=metrics,
+            manifest=Manifest(topic, _coords(kept), _coords(window.stale), _coords(window.dlq)),
+            base_model=str(self.settings.resolved_model_path()),
+        )
+
+    def _commit(self, meta: CheckpointMeta) -> None:
+        """Checkpoint (atomic), then publish the PolicyVersion, then commit group offsets."""
+        s, step = self.settings, meta.step
+        self.source.flush()  # dead letters are durable before offsets move past them
+        ckpt = self.store.save(
+            meta,
+            self.model,
+            self.optimizer,
+            copy_from=s.resolved_model_path(),
+            before_commit=lambda _tmp: self._debug_pause("checkpoint", step),
+        )
+        # committed: from here on this is the trainer's state
+        self.latest, self.step = ckpt, step
+        self.offsets = meta.offsets[self.topics.samples]
+        self.samples_trained, self.tokens_trained = meta.samples_trained, meta.tokens_trained
+        self.counters = dict(meta.counters)
+        self.window = _Window(StalenessFilter(s.train_max_staleness))
+        self._debug_pause("committed", step)
+        self._publish(ckpt)
+        self._debug_pause("published", step)
+        if s.train_commit_offsets:
+            self.source.commit(self.offsets)
+        m = meta.metrics
+        log.info("step %d: %d samples, %d tokens, loss %.4f, %.3fs", step, m["batch_samples"],
+                 m["batch_tokens"], m["loss"], m["step_time_s"])  # fmt: skip
+
+    # -- policy versions
+
+    def _publish(self, ckpt: Checkpoint) -> None:
+        meta = ckpt.meta
+        record = PolicyVersion(
+            version=meta.policy_version,
+            checkpoint_uri=str(ckpt.model_dir.resolve()),
+            trainer_step=meta.step,
+            ts=time.time_ns() // 1000,
+            samples_trained=meta.samples_trained,
+            metrics=dict(meta.metrics),
+        )
+        errors: list[str] = []
+
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        self.producer.produce(
+            self.topics.policy, value=self.codec.encode(record), on_delivery=delivered
+        )
+        left = self.producer.flush(self.settings.train_publish_timeout_s)
+        if left or errors:
+            raise TrainerError(
+                f"PolicyVersion {meta.policy_version} not published to {self.topics.policy}: "
+                f"{errors or 'flush timed out'} (checkpoint {ckpt.path} is committed; a restart "
+                "publishes it)"
+            )
+
+    def _publish_missing(self) -> None:
+        """Publish the latest checkpoint's PolicyVersion if a crash came before it was."""
+        if self.latest is None:
+            return
+        last = last_published_version(self.settings)
+        if last is None or last < self.latest.meta.policy_version:
+            log.info("publishing PolicyVersion %d (missing)", self.latest.meta.policy_version)
+            self._publish(self.latest)
+
+    # -- debug hook
+
+    def _debug_pause(self, stage: str, step: int) -> None:
+        if self.pause_at != (stage, step):
+            return
+        marker = self.store.root / "debug-paused.json"
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"stage": stage, "step": step, "pid": os.getpid()}))
+        os.replace(tmp, marker)
+        log.warning("debug pause at %s of step %d", stage, step)
+        time.sleep(self.settings.train_debug_pause_s)
+
+    def close(self) -> None:
+        try:
+            close_producer(self.producer, self.settings.train_publish_timeout_s)
+        finally:
+            self.source.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def last_published_version(settings: CommonSettings, timeout: float = 10.0) -> int | None:
+    """The highest version among the last record of each policy-topic partition."""
+    topic = settings.topics().policy
+    consumer = Consumer(
+        {
+            **settings.kafka_config(),
+            "group.id": f"rollstream-policy-probe-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+        }
+    )
+    codec = Codec()
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return None
+        wanted = {}
+        for p in meta.partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+            if high > low:
+                wanted[p] = high - 1
+        if not wanted:
+            return None
+        consumer.assign([TopicPartition(topic, p, o) for p, o in wanted.items()])
+        best: int | None = None
+        deadline = time.monotonic() + timeout
+        while wanted and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error() is not None:
+                continue
+            if wanted.get(msg.partition()) == msg.offset():
+                del wanted[msg.partition()]
+                try:
+                    record = codec.decode(msg.value(), expect=PolicyVersion)
+                except DecodeError:
+                    continue
+                best = record.version if best is None else max(best, record.version)
+        return best
+    finally:
+        consumer.close()
+
+
+def run(settings: TrainerSettings) -> TrainResult:
+    """Train until ``train_max_steps``, ``train_exit_idle_s`` of idleness, or ``stop()``."""
+    with Trainer(settings) as trainer:
+        return trainer.run()
+
+
+def main(settings: TrainerSettings | None = None) -> int:
+    """``python -m`` this module (and ``rollstream train``): settings from the
+    environment unless given; SIGTERM and SIGINT stop after the current step; prints the
+    TrainResult as one JSON line."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no per-checkpoint progress bars in the trainer's log
+    settings = settings if settings is not None else TrainerSettings()
+    with Trainer(settings) as trainer:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: trainer.stop())
+        result = trainer.run()
+    print(json.dumps(asdict(result), default=str), file=sys.stdout, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,314 @@
+"""``rollstream demo`` (``make demo``): the whole RL loop on one machine, nothing else running.
+
+1. the local Kafka broker (KRaft) and the demo namespace's topics;
+2. the tiny local model (random-init Qwen2, BPE tokenizer trained on a local corpus);
+3. services, each a ``rollstream`` subprocess with a log under ``<home>/logs``: the reference
+   model server, the recording proxy (following ``policy.versions``), the stream processors,
+   the ClickHouse sink (chDB) with its analytics server, and the trainer;
+4. the built-in agent (infra/demo/agent.py) runs groups of rollouts through the proxy's rollout
+   API and OpenAI endpoint, continuously, while the trainer trains on the samples the
+   processors emit (async RL with bounded staleness); the proxy reloads each new policy;
+5. the reward per policy version, as a table and a PNG plot, once ``demo_steps`` policy
+   versions exist or ``demo_max_minutes`` pass.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from rollstream.infra import stack
+from rollstream.infra.demo.agent import AgentResult, DemoAgent, demo_tasks
+from rollstream.infra.kafka import free_port
+from rollstream.infra.services import Service, Supervisor
+
+__all__ = ["DemoSettings", "plot_rewards", "reward_table", "run"]
+
+
+class DemoSettings(stack.StackSettings):
+    demo_steps: int = 30  # policy versions to train
+    demo_max_minutes: float = 10.0  # stop the loop after this long even if steps remain
+    demo_tasks: int = 4  # tasks per round (one GRPO group each)
+    demo_group_size: int = 8  # rollouts per group
+    demo_turns: int = 2  # model turns per rollout (each followed by a tool call)
+    demo_max_tokens: int = 12  # tokens per model turn
+    demo_workers: int = 8  # concurrent rollouts
+    demo_lr: float = 1e-2  # trainer learning rate
+    demo_token_budget: int = 6144  # padded tokens per training step
+    demo_max_staleness: int = 2  # samples older than this many versions are dropped
+    demo_sink: bool = True  # also run the ClickHouse sink and show its report
+    demo_plot: Path | None = None  # default <home>/demo-reward.png
+    demo_seed: int = 0  # model init and task seed
+    demo_sync: bool = False  # strictly alternate: each round waits for the next policy version
+
+
+def _latest_version(results: list[AgentResult]) -> int:
+    return max((max(r.policy_versions) for r in results if r.policy_versions), default=0)
+
+
+def _measured_version(results: list[AgentResult]) -> int:
+    """The newest policy some rollout ran under from its first call: the demo runs until the last
+    trained policy has rollouts of its own (a rollout that merely saw a reload mid-way counts
+    under the version it started with, as in `rewards_by_version`)."""
+    return max(
+        (min(r.policy_versions) for r in results if r.policy_versions and r.error is None),
+        default=0,
+    )
+
+
+def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
+    """Final reward of each rollout under the policy version that produced its first call."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for r in results:
+        if r.policy_versions and r.error is None:
+            out[min(r.policy_versions)].append(r.final)
+    return dict(sorted(out.items()))
+
+
+def reward_table(results: list[AgentResult], title: str = "reward per policy version") -> Table:
+    table = Table("policy version", "rollouts", "mean reward", "min", "max", title=title)
+    for version, values in rewards_by_version(results).items():
+        table.add_row(
+            str(version),
+            str(len(values)),
+            f"{statistics.fmean(values):.3f}",
+            f"{min(values):.2f}",
+            f"{max(values):.2f}",
+        )
+    return table
+
+
+def plot_rewards(results: list[AgentResult], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = rewards_by_version(results)
+    versions = list(data)
+    means = [statistics.fmean(v) for v in data.values()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for v, values in data.items():
+        ax.scatter([v] * len(values), values, s=6, alpha=0.25, color="tab:blue")
+    ax.plot(versions, means, marker="o", color="tab:red", label="mean reward")
+    ax.set_xlabel("policy version (trainer step)")
+    ax.set_ylabel("final reward (digit fraction)")
+    ax.set_title("rollstream demo: reward per policy version")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _wait_for_version(agent: DemoAgent, version: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        status = agent.proxy_status()
+        if int(status.get("policy_version", 0)) >= version:
+            return
+        time.sleep(0.2)
+
+
+def _write_summary(
+    path: Path, settings: DemoSettings, results: list[AgentResult], loop_s: float
+) -> None:
+    data = rewards_by_version(results)
+    path.write_text(
+        json.dumps(
+            {
+                "mode": "sync" if settings.demo_sync else "async",
+                "namespace": settings.namespace,
+                "steps": _latest_version(results),
+                "loop_s": round(loop_s, 2),
+                "rollouts": len(results),
+                "failed": sum(r.error is not None for r in results),
+                "mean_reward_by_version": {str(k): statistics.fmean(v) for k, v in data.items()},
+            },
+            indent=1,
+        )
+    )
+
+
+def _show_sink_report(settings: DemoSettings, url: str, console: Console) -> None:
+    """The same numbers, as the ClickHouse sink stored them (rollstream report)."""
+    from rollstream.consumers.analytics.report_cli import ReportSettings
+    from rollstream.consumers.analytics.report_cli import run as report
+
+    time.sleep(3)  # let the sink flush its last batch
+    try:
+        report(
+            ReportSettings(namespace=settings.namespace),
+            view="reward_by_policy",
+            url=url,
+            console=console,
+        )
+    except Exception as exc:  # the demo's own table stands; say why this one is missing
+        console.print(f"[yellow]sink report unavailable:[/] {type(exc).__name__}: {exc}")
+
+
+def run(settings: DemoSettings) -> int:
+    console = Console()
+    t0 = time.monotonic()
+    namespace = settings.namespace or f"demo{uuid.uuid4().hex[:6]}"
+    settings = settings.model_copy(update={"namespace": namespace})
+    home = Path(settings.home).resolve()
+    with console.status("starting the local Kafka broker ..."):
+        stack.up(settings)
+    console.print(
+        f"[green]kafka ready[/] at {settings.kafka_bootstrap}, namespace "
+        f"[bold]{namespace}[/] ({time.monotonic() - t0:.0f}s)"
+    )
+
+    from rollstream.inference.tinymodel import ensure_tiny_model
+
+    model_dir = home / "models" / "tiny"
+    with console.status("making the tiny model ..."):
+        ensure_tiny_model(model_dir, seed=settings.demo_seed)
+
+    model_port, proxy_port, analytics_port = free_port(), free_port(), free_port()
+    run_id = f"{namespace}-run"
+    env = {
+        "ROLLSTREAM_HOME": str(home),
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "ROLLSTREAM_NAMESPACE": namespace,
+        "ROLLSTREAM_MODEL_PATH": str(model_dir),
+        "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
+        "ROLLSTREAM_SPOOL_DIR": str(home / "spool" / namespace),
+        "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{home / 'clickhouse'}",
+        "ROLLSTREAM_CHECKPOINT_DIR": str(home / namespace / "checkpoints"),
+    }
+    sup = Supervisor(home / namespace, env)
+    results: list[AgentResult] = []
+    try:
+        with console.status("starting services (model server, proxy, processors, sink, trainer)"):
+            sup.start(
+                Service(
+                    "model-server",
+                    ["serve-model", "--port", str(model_port)],
+                    health_url=f"http://127.0.0.1:{model_port}/health",
+                )
+            )
+            sup.start(
+                Service(
+                    "proxy",
+                    [
+                        "proxy",
+                        "--port",
+                        str(proxy_port),
+                        "--backend",
+                        f"http://127.0.0.1:{model_port}",
+                    ],
+                    env={"ROLLSTREAM_PROXY_FOLLOW_POLICY": "true"},
+                    health_url=f"http://127.0.0.1:{proxy_port}/health",
+                )
+            )
+            sup.start(
+                Service(
+                    "processor",
+                    ["process"],
+                    env={
+                        "ROLLSTREAM_PROC_GROUP_SIZE": str(settings.demo_group_size),
+                        "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": "60",
+                    },
+                )
+            )
+            if settings.demo_sink:
+                sup.start(
+                    Service(
+                        "sink",
+                        ["sink", "--port", str(analytics_port)],
+                        health_url=f"http://127.0.0.1:{analytics_port}/health",
+                    )
+                )
+            sup.start(
+                Service(
+                    "trainer",
+                    ["train"],
+                    env={
+                        "ROLLSTREAM_TRAIN_LR": str(settings.demo_lr),
+                        "ROLLSTREAM_TRAIN_TOKEN_BUDGET": str(settings.demo_token_budget),
+                        "ROLLSTREAM_TRAIN_MAX_STALENESS": str(settings.demo_max_staleness),
+                        "ROLLSTREAM_TRAIN_MAX_STEPS": str(settings.demo_steps),
+                        "ROLLSTREAM_TRAIN_FLUSH_IDLE_S": "3",
+                        "ROLLSTREAM_TRAIN_TORCH_THREADS": "1",
+                    },
+                )
+            )
+        console.print(f"services up ({time.monotonic() - t0:.0f}s); logs in {sup.log_dir}")
+
+        agent = DemoAgent(
+            f"http://127.0.0.1:{proxy_port}",
+            turns=settings.demo_turns,
+            max_tokens=settings.demo_max_tokens,
+        )
+        tasks = demo_tasks(settings.demo_tasks, settings.demo_seed)
+        deadline = t0 + settings.demo_max_minutes * 60
+        loop_t0 = time.monotonic()
+        round_no = 0
+        with (
+            ThreadPoolExecutor(settings.demo_workers) as pool,
+            Live(reward_table(results), console=console, refresh_per_second=2) as live,
+        ):
+            while time.monotonic() < deadline and _measured_version(results) < settings.demo_steps:
+                sup.check()
+                futures = [
+                    pool.submit(
+                        agent.run,
+                        task,
+                        f"{run_id}-r{round_no}-{task.task_id}",
+                        group_size=settings.demo_group_size,
+                        run_id=run_id,
+                        seed=round_no * 1000 + ti * 100 + k,
+                    )
+                    for ti, task in enumerate(tasks)
+                    for k in range(settings.demo_group_size)
+                ]
+                round_results = [fut.result() for fut in futures]
+                results.extend(round_results)
+                round_no += 1
+                if settings.demo_sync and _latest_version(results) < settings.demo_steps:
+                    # strictly alternating: wait for the policy these rollouts will train
+                    _wait_for_version(agent, _latest_version(round_results) + 1, deadline)
+                failed = sum(r.error is not None for r in results)
+                live.update(
+                    reward_table(
+                        results,
+                        title=f"reward per policy version — round {round_no}, "
+                        f"{len(results)} rollouts ({failed} failed), "
+                        f"{time.monotonic() - t0:.0f}s",
+                    )
+                )
+        loop_s = time.monotonic() - loop_t0
+        agent.close()
+        _write_summary(home / namespace / "demo-summary.json", settings, results, loop_s)
+        if settings.demo_sink:
+            _show_sink_report(settings, f"http://127.0.0.1:{analytics_port}", console)
+    finally:
+        sup.stop_all()
+
+    data = rewards_by_version(results)
+    plot = plot_rewards(results, settings.demo_plot or home / "demo-reward.png")
+    if data:
+        first, last = next(iter(data.values())), list(data.values())[-1]
+        console.print(
+            f"mean reward: policy v{next(iter(data))} {statistics.fmean(first):.3f} "
+            f"-> v{list(data)[-1]} {statistics.fmean(last):.3f}; plot: {plot}"
+        )
+    console.print(
+        f"{len(results)} rollouts in {time.monotonic() - t0:.0f}s; the broker keeps "
+        f"running (`rollstream down` stops it); explore: `rollstream tail events "
+        f"--namespace {namespace} --from-beginning`"
+    )
+    return 0 if results and len(data) > 1 else 1

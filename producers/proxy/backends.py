@@ -1,0 +1,367 @@
+"""Inference backends as the proxy sees them: token ids in, token ids and logprobs out.
+
+``CompletionBackend`` talks to the rollstream reference server (kind="reference") or to a vLLM
+OpenAI server (kind="vllm") with the same request: ``POST /v1/completions`` with ``prompt`` as
+token ids, ``return_token_ids=true`` (vLLM >= 0.10.2 answers ``choices[0].token_ids``) and
+``logprobs=0`` + ``return_tokens_as_token_ids=true`` (``choices[0].logprobs.token_logprobs``;
+``tokens`` as "token_id:N", used when ``token_ids`` is absent). They differ in weight updates:
+
+- reference: ``POST /v1/load_weights {"path", "version"}``, applied between two batches, and
+  ``GET /v1/policy_version``; every completion reports the version that generated it.
+- vllm: the dev-mode RL routes of ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``):
+  ``POST /pause?mode=wait``, ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": path}}``, ``POST /update_weight_version {"new_version": "N"}``,
+  ``POST /resume``; the version is read with ``GET /weight_info``. vLLM's completions do not
+  carry the version, so the adapter reports the last version it set or read.
+
+Errors::
+
+    BackendError                 root of rollstream.producers.proxy.backends
+    ├── BackendUnavailable       connection error, timeout or 5xx: try another backend later
+    ├── BackendRejected          4xx: this request is wrong; retrying it will not help
+    └── BackendProtocolError     a 2xx answer without the fields we need
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from rollstream.producers.proxy.http1 import Http1Transport
+
+try:
+    import orjson
+
+    _dumps: Any = orjson.dumps
+    _loads: Any = orjson.loads
+except ImportError:  # pragma: no cover - orjson is a dependency
+    import json
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+__all__ = [
+    "BackendError",
+    "BackendKind",
+    "BackendProtocolError",
+    "BackendRejected",
+    "BackendUnavailable",
+    "Completion",
+    "CompletionBackend",
+]
+
+BackendKind = Literal["reference", "vllm"]
+
+
+class BackendError(Exception):
+    """Root of every error raised by rollstream.producers.proxy.backends."""
+
+    def __init__(self, message: str, *, backend: str = "", status: int | None = None) -> None:
+        super().__init__(f"[{backend}] {message}" if backend else message)
+        self.backend, self.status = backend, status
+
+
+class BackendUnavailable(BackendError):
+    """The backend could not be reached, timed out, or failed (5xx)."""
+
+
+class BackendRejected(BackendError):
+    """The backend refused the request (4xx); ``status`` and the server's message say why."""
+
+
+class BackendProtocolError(BackendError):
+    """The backend answered 2xx with a body we cannot use (no token ids, lengths differ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sampled completion. ``logprobs[i]`` is the behaviour policy's logprob of
+    ``token_ids[i]`` (see docs/model-server.md for which distribution)."""
+
+    token_ids: np.ndarray  # (N,) uint32
+    logprobs: np.ndarray  # (N,) float32
+    finish_reason: str  # stop | length | abort
+    policy_version: int
+    prompt_tokens: int
+    stop_reason: int | None = None  # the stop_token_ids entry that ended it; None for EOS
+    backend: str = ""
+    model: str = ""
+    latency_s: float = 0.0
+
+
+def _error_message(response: httpx.Response | bytes) -> str:
+    raw = response if isinstance(response, bytes) else response.content
+    try:
+        body = _loads(raw)
+    except ValueError:
+        return raw[:500].decode("utf-8", "replace")
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(body.get("detail"), str):  # FastAPI's HTTPException (vLLM dev routes)
+            return str(body["detail"])
+    return str(body)[:500]
+
+
+def _token_ids_from_logprobs(tokens: list[Any]) -> list[int]:
+    out = []
+    for t in tokens:
+        if not isinstance(t, str) or not t.startswith("token_id:"):
+            raise ValueError(f"logprobs token {t!r} is not of the form 'token_id:N'")
+        out.append(int(t.removeprefix("token_id:")))
+    return out
+
+
+class CompletionBackend:
+    """Async client for one inference server. ``base_url`` is the server root
+    (``http://host:port``; a trailing ``/v1`` is accepted). Pass ``http`` to share a client
+    (it is then not closed by ``aclose``). Pass ``lean`` (the Http1Transport under that
+    client, or another one) and ``complete`` skips httpx: raw HTTP/1.1 over ``lean``'s pooled
+    connections, orjson both ways (http:// base URLs only; the caller closes ``lean``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        name: str,
+        *,
+        kind: BackendKind = "reference",
+        http: httpx.AsyncClient | None = None,
+        model: str | None = None,
+        timeout_s: float = 300.0,
+        api_key: str | None = None,
+        lean: Http1Transport | None = None,
+    ) -> None:
+        if kind not in ("reference", "vllm"):
+            raise ValueError(f"unknown backend kind {kind!r}")
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.name, self.kind, self.model = name, kind, model
+        self._own_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=timeout_s)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._version = 0
+        self._paused_by_caller = False
+        self._lean_transport = lean
+        self._api_key = api_key
+        self._lean_url = ""  # the base_url _lean was made for (base_url may be reassigned)
+        self._lean: tuple[str, int, bytes, dict[str, Any]] | None = None
+
+    async def __aenter__(self) -> CompletionBackend:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own_http:
+            await self._http.aclose()
+
+    async def _request(
+        self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None
+    ) -> httpx.Response:
+        url = f"{self.base_url}{path}"
+        try:
+            response = await self._http.request(
+                method, url, json=json, params=params, headers=self._headers
+            )
+        except httpx.TransportError as exc:  # connect, read, write, pool, timeout
+            raise BackendUnavailable(f"{method} {path}: {exc!r}", backend=self.name) from exc
+        if response.status_code >= 500:
+            msg = f"{method} {path}: HTTP {response.status_code}: {_error_message(response)}"
+            raise BackendUnavailable(msg, backend=self.name, status=response.status_code)
+        if response.status_code >= 400:
+            msg = f"{method} {path}: HTTP {response.status_code}: {_error_message(response)}"
+            raise BackendRejected(msg, backend=self.name, status=response.status_code)
+        return response
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self._request(method, path, **kwargs)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise BackendProtocolError(f"{path}: invalid JSON", backend=self.name) from exc
+
+    async def complete(
+        self,
+        prompt_ids: list[int] | np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> Completion:
+        """Sample one completion of ``prompt_ids``; the stop token, if any, is included."""
+        if isinstance(prompt_ids, np.ndarray):
+            prompt = prompt_ids.astype(np.int64, copy=False).tolist()  # Python ints
+        else:
+            prompt = [int(t) for t in prompt_ids]
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "n": 1,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        if seed is not None:
+            body["seed"] = seed
+        if stop_token_ids:
+            body["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        started = time.perf_counter()
+        if self._lean_transport is not None and self._lean_target() is not None:
+            data = await self._post_lean(body)
+        else:
+            data = await self._json("POST", "/v1/completions", json=body)
+        latency = time.perf_counter() - started
+        try:
+            return self._parse(data, len(body["prompt"]), latency)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
+
+    def _lean_target(self) -> tuple[str, int, bytes, dict[str, Any]] | None:
+        """(host, port, request head up to Content-Length, timeouts) of POST /v1/completions
+        for the lean path; None for a base URL it does not serve (not http://)."""
+        if self._lean_url != self.base_url:
+            self._lean_url, self._lean = self.base_url, None
+            url = urlsplit(self.base_url)
+            if url.scheme == "http" and url.hostname:
+                t = self._http.timeout
+                timeouts = {"connect": t.connect, "read": t.read, "write": t.write, "pool": t.pool}
+                head = f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                head += "Accept: application/json\r\nContent-Type: application/json\r\n"
+                if self._api_key:
+                    head += f"Authorization: Bearer {self._api_key}\r\n"
+                self._lean = (url.hostname, url.port or 80, head.encode("latin-1"), timeouts)
+        return self._lean
+
+    async def _post_lean(self, body: dict[str, Any]) -> Any:
+        """POST /v1/completions without httpx; the same errors as ``_json``."""
+        assert self._lean is not None and self._lean_transport is not None
+        host, port, head, timeouts = self._lean
+        payload = _dumps(body)
+        try:
+            status, _, content = await self._lean_transport.exchange(
+                host, port, head + b"Content-Length: %d\r\n\r\n" % len(payload), payload,
+                timeouts,
+            )  # fmt: skip
+        except httpx.TransportError as exc:  # connect, read, write, pool, timeout
+            raise BackendUnavailable(f"POST /v1/completions: {exc!r}", backend=self.name) from exc
+        if status >= 400:
+            msg = f"POST /v1/completions: HTTP {status}: {_error_message(content)}"
+            kind = BackendUnavailable if status >= 500 else BackendRejected
+            raise kind(msg, backend=self.name, status=status)
+        if not content:
+            return None
+        try:
+            return _loads(content)
+        except ValueError as exc:
+            raise BackendProtocolError("/v1/completions: invalid JSON", backend=self.name) from exc
+
+    def _parse(self, data: dict[str, Any], prompt_len: int, latency: float) -> Completion:
+        choice = data["choices"][0]
+        lp = choice.get("logprobs") or {}
+        logprobs = lp.get("token_logprobs")
+        ids = choice.get("token_ids")
+        if ids is None:  # vLLM < 0.10.2: only the logprobs tokens carry the ids
+            ids = _token_ids_from_logprobs(lp.get("tokens") or [])
+        if logprobs is None or len(logprobs) != len(ids):
+            raise ValueError(f"{len(ids)} token ids but logprobs {logprobs!r:.80}")
+        if any(v is None for v in logprobs):
+            raise ValueError("a generated token has no logprob")
+        version = data.get("policy_version")  # rollstream extension; vLLM does not send it
+        if isinstance(version, int):
+            self._version = version
+        usage = data.get("usage") or {}
+        return Completion(
+            token_ids=np.asarray(ids, dtype=np.uint32),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            finish_reason=str(choice.get("finish_reason") or "length"),
+            policy_version=version if isinstance(version, int) else self._version,
+            prompt_tokens=int(usage.get("prompt_tokens", prompt_len)),
+            stop_reason=choice.get("stop_reason")
+            if isinstance(choice.get("stop_reason"), int)
+            else None,
+            backend=self.name,
+            model=str(data.get("model", self.model or "")),
+            latency_s=latency,
+        )
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200; never raises."""
+        try:
+            response = await self._http.get(f"{self.base_url}/health", headers=self._headers)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def policy_version(self) -> int:
+        """The policy version the backend serves now."""
+        if self.kind == "reference":
+            data = await self._json("GET", "/v1/policy_version")
+            self._version = int(data["policy_version"])
+        else:
+            data = await self._json("GET", "/weight_info")
+            raw = (data or {}).get("weight_version")
+            try:
+                self._version = int(raw) if raw is not None else 0
+            except (TypeError, ValueError) as exc:
+                msg = f"weight_version {raw!r} is not an integer"
+                raise BackendProtocolError(msg, backend=self.name) from exc
+        return self._version
+
+    async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
+        """Stop starting new generations (vLLM's ``POST /pause``); ``wait`` drains in-flight
+        ones first, ``abort`` ends them early with finish_reason "abort"."""
+        await self._request("POST", "/pause", params={"mode": mode})
+        self._paused_by_caller = True
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+        self._paused_by_caller = False
+
+    async def reload_weights(self, path: str, version: int) -> int:
+        """Load the weights at ``path`` (a checkpoint directory or a state-dict file, as seen
+        by the server) and make ``version`` the served policy version. Returns it."""
+        if self.kind == "reference":
+            data = await self._json(
+                "POST", "/v1/load_weights", json={"path": path, "version": version}
+            )
+            self._version = int(data["policy_version"])
+            return self._version
+        paused_here = not self._paused_by_caller
+        if paused_here:
+            await self._request("POST", "/pause", params={"mode": "wait"})
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+            await self._request("POST", "/collective_rpc", json=rpc)
+            await self._request(
+                "POST", "/update_weight_version", json={"new_version": str(version)}
+            )
+        except BaseException:
+            if paused_here:  # resume anyway; the reload error is the one to report
+                with contextlib.suppress(BackendError):
+                    await self._request("POST", "/resume")
+            raise
+        if paused_here:
+            await self._request("POST", "/resume")
+        self._version = version
+        return version

@@ -1,0 +1,429 @@
+"""Chat messages -> token IDs, with the token IDs that were actually generated kept (pure; no I/O).
+
+The recording proxy is token in, token out: it renders OpenAI chat messages with the model's own
+chat template (Jinja, as transformers runs it), tokenizes them, and sends token IDs to the
+backend. A harness, though, sends its history back as TEXT. Re-tokenizing an assistant turn's
+text often gives other IDs than the ones the model sampled (BPE is not injective: " hello" can be
+sampled as " h" + "ello"), so training on the re-tokenized history would train on tokens the
+policy never produced, and the next prompt would not extend the previous call's sequence.
+
+Approach (piecewise rendering with sentinels)::
+
+    messages            [sys, user, ASSISTANT(known), tool, ASSISTANT(unknown), user]
+    render (one pass)   "<|im_start|>system ... assistant\\n" S0 "<|im_end|>\\n<|im_start|>tool ..."
+                         '----------- text piece 0 -----------'  '-------- text piece 1 -------->
+    token ids           encode(piece 0)  +  generated ids of S0  +  encode(piece 1) ...
+
+1. ``ChatMemory`` remembers, per rollout, the generated IDs of each assistant reply the proxy
+   returned, keyed by (position in the message list, canonical text of the reply: content
+   stripped + tool calls with JSON arguments normalised). A later request's assistant message
+   that matches a remembered reply (same position and text; else the same text at another
+   position) is a KNOWN segment; any other assistant message is rendered from its text.
+2. The conversation is rendered ONCE with each known assistant message replaced by a unique
+   sentinel string as its content (tool calls dropped). The template places the sentinel exactly
+   where the model's own emission went: after the generation prompt ("...assistant\\n"), before
+   the template's closing ("<|im_end|>\\n").
+3. The text is split at the sentinels. Text pieces are tokenized (one call per piece, memoised
+   per rollout so an append-only conversation only tokenizes its new text); each sentinel is
+   replaced by the generated IDs. When those end with a special stop token and the text after
+   the sentinel starts with that token's text, that text is skipped (the model emitted it).
+
+Why the result extends the previous call exactly: turn n's prompt was ``encode(render(m[:k],
+add_generation_prompt=True))``, which is the text before the sentinel of reply k at turn n+1,
+cut at the same earlier sentinels; so the new prompt starts with the old prompt's IDs followed
+by the old completion's IDs, and the context trie sees an append-only call. Pieces are cut only
+right after the generation prompt and right after the emission (before a special token in
+ChatML-like templates), so a piece is tokenized the same way the model saw it. Limits: a
+template that renders the generation prompt differently from an in-history assistant header
+(e.g. Qwen3's empty think block) gives a rewind instead of an append; a template that looks at an
+assistant message's tool_calls outside the message itself renders known segments without them.
+
+Drift: the first time a remembered reply comes back, its text is rendered (after a one-word
+user turn, then cut out of the template's wrapping) and re-tokenized; if that differs from the
+generated IDs, the tokens from the first difference on
+(``max(len(generated), len(retokenized)) - common prefix``) are counted as drift: what a
+re-tokenizing proxy would have gotten wrong. ``RenderedPrompt.drift_tokens`` feeds
+``LlmCall.drift_tokens``; each reply is counted once per rollout, so the rollout's total is the
+sum over its calls.
+
+Replies: generated IDs are decoded (special tokens skipped); with tools enabled, each
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` block holding valid JSON becomes an
+OpenAI tool call and is removed from the content (the tiny model's template renders tool calls
+back the same way).
+
+    ProducerError                    root of rollstream.producers (context.py)
+    └── ChatError                    root of the chat modules (chat_template.py)
+        ├── ChatTemplateError        the model directory has no usable tokenizer / chat template
+        └── ChatInputError           messages or tools that cannot be rendered (ValueError); .param
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from rollstream.producers.proxy.chat_template import (
+    ChatError,
+    ChatInputError,
+    ChatTemplate,
+    ChatTemplateError,
+)
+from rollstream.producers.sdk.context import common_prefix
+
+__all__ = [
+    "AssistantReply",
+    "ChatError",
+    "ChatInputError",
+    "ChatMemory",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "RenderedPrompt",
+    "ToolResult",
+    "message_key",
+    "normalize_messages",
+    "normalize_tools",
+    "parse_reply",
+    "render_prompt",
+    "tool_results",
+]
+
+_U32 = np.dtype("<u4")
+Tokens = npt.NDArray[Any]
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+# --------------------------------------------------------------------------- input normalisation
+
+
+def _text_content(content: Any, param: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ChatInputError("a text part needs a string `text`", f"{param}[{i}].text")
+                parts.append(text)
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ChatInputError(f"content part type {kind!r} is not supported (text only)",
+                                     f"{param}[{i}]")  # fmt: skip
+        return "".join(parts)
+    raise ChatInputError("`content` must be a string, a list of text parts, or null", param)
+
+
+def _arguments(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    raise ChatInputError("tool call `arguments` must be a JSON string or object", param)
+
+
+def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise ChatInputError("`tool_calls` must be a list", param)
+    calls = []
+    for i, call in enumerate(raw):
+        p = f"{param}[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ChatInputError("a tool call needs `function.name`", f"{p}.function.name")
+        calls.append({
+            "id": str(call.get("id") or ""),
+            "type": "function",
+            "function": {"name": fn["name"],
+                         "arguments": _arguments(fn.get("arguments", "{}"), f"{p}.function")},
+        })  # fmt: skip
+    return calls
+
+
+def normalize_messages(raw: Any) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages and bring them to the shape templates expect: content a
+    string (text parts joined) or None, ``developer`` as ``system``, tool call arguments as JSON
+    strings. Raises ChatInputError with ``param`` like ``messages[2].content``."""
+    if not isinstance(raw, list) or not raw:
+        raise ChatInputError("`messages` must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(raw):  # the param names are built only for errors (hot path)
+        if not isinstance(msg, dict):
+            raise ChatInputError("each message must be an object", f"messages[{i}]")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ChatInputError(f"`role` must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        content = msg.get("content")
+        if content is not None and type(content) is not str:
+            content = _text_content(content, f"messages[{i}].content")
+        m: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant":
+            if msg.get("tool_calls"):
+                m["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        elif content is None:
+            raise ChatInputError("`content` is required", f"messages[{i}].content")
+        elif role == "tool":
+            m["tool_call_id"] = str(msg.get("tool_call_id") or "")
+        if "name" in msg and isinstance(msg["name"], str):
+            m["name"] = msg["name"]
+        out.append(m)
+    return out
+
+
+def normalize_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """Validate the ``tools`` array (function tools only); None when absent or empty."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise ChatInputError("`tools` must be a list", "tools")
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ChatInputError("only function tools are supported", f"tools[{i}]")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ChatInputError("a tool needs a `function` object", f"tools[{i}].function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ChatInputError("a tool needs `function.name`", f"tools[{i}].function.name")
+    return raw
+
+
+def _canonical_arguments(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False)  # fmt: skip
+    except ValueError:
+        return arguments.strip()
+
+
+def message_key(content: str | None, tool_calls: Iterable[dict[str, Any]] | None = None) -> str:
+    """Canonical text of an assistant message: what identifies a reply when it comes back
+    (content stripped; tool calls as name + JSON arguments with sorted keys; ids ignored)."""
+    key = (content or "").strip()
+    for call in tool_calls or ():
+        fn = call.get("function", call)
+        key += f"\x1f{fn.get('name', '')}\x1e{_canonical_arguments(str(fn.get('arguments', '')))}"
+    return key
+
+
+# --------------------------------------------------------------------------- per-rollout memory
+
+
+@dataclass(slots=True)
+class _Generation:
+    call_id: str
+    ids: Tokens
+    position: int
+    key: str
+    counted: bool = False
+
+
+class ToolResult(NamedTuple):
+    """A tool message answering a tool call the proxy returned (becomes a ToolCall event)."""
+
+    tool_call_id: str
+    name: str
+    arguments: str
+    result: str
+    at_call_id: str
+
+
+@dataclass(slots=True)
+class ChatMemory:
+    """What the proxy remembers about one rollout's chat: the generated IDs of its replies, the
+    tool calls it returned, and a cache of tokenized text pieces. Not thread-safe (one rollout;
+    the proxy's event loop serialises access)."""
+
+    max_pieces: int = 4096  # cached text pieces, and the characters they may hold in all
+    max_piece_chars: int = 4 << 20
+    by_key: dict[tuple[int, str], _Generation] = field(default_factory=dict)
+    by_text: dict[str, _Generation] = field(default_factory=dict)
+    pieces: OrderedDict[str, Tokens] = field(default_factory=OrderedDict)
+    # tool_call_id -> (name, arguments, call_id of the reply)
+    tool_calls: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    tool_results_seen: set[str] = field(default_factory=set)
+    drift_tokens: int = 0  # totals over the rollout
+    drift_replies: int = 0
+    reused_replies: int = 0
+    piece_chars: int = 0
+
+    def remember(
+        self, position: int, reply: AssistantReply, ids: Tokens, call_id: str
+    ) -> None:  # fmt: skip
+        """Record the reply returned for a request of ``position`` messages."""
+        gen = _Generation(call_id, ids, position, message_key(reply.content, reply.tool_calls))
+        self.by_key[(position, gen.key)] = gen
+        self.by_text[gen.key] = gen
+        for call in reply.tool_calls:
+            fn = call["function"]
+            self.tool_calls[call["id"]] = (fn["name"], fn["arguments"], call_id)
+
+    def lookup(self, position: int, key: str) -> _Generation | None:
+        return self.by_key.get((position, key)) or self.by_text.get(key)
+
+    def encode(self, chat: ChatTemplate, text: str) -> Tokens:
+        ids = self.pieces.get(text)
+        if ids is None:
+            ids = chat.encode(text)
+            self.pieces[text] = ids
+            self.piece_chars += len(text)
+            while self.pieces and (
+                len(self.pieces) > self.max_pieces or self.piece_chars > self.max_piece_chars
+            ):
+                old, _ = self.pieces.popitem(last=False)
+                self.piece_chars -= len(old)
+        else:
+            self.pieces.move_to_end(text)
+        return ids
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    ids: Tokens  # (N,) uint32: the full prompt
+    drift_tokens: int  # drift counted in this call (replies seen back for the first time)
+    reused: int  # assistant messages whose generated ids were spliced in
+    retokenized: int  # assistant messages rendered from text (not generated here, or edited)
+
+
+def render_prompt(
+    chat: ChatTemplate,
+    memory: ChatMemory,
+    messages: Sequence[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> RenderedPrompt:
+    """Token ids of normalised ``messages`` (see the module docstring for the method)."""
+    render_msgs: list[dict[str, Any]] = []
+    known: list[tuple[_Generation, dict[str, Any]]] = []
+    retokenized = 0
+    for pos, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            render_msgs.append(msg)
+            continue
+        gen = memory.lookup(pos, message_key(msg.get("content"), msg.get("tool_calls")))
+        if gen is None:
+            retokenized += 1
+            render_msgs.append(msg)
+            continue
+        render_msgs.append({"role": "assistant", "content": chat.sentinel(len(known))})
+        known.append((gen, msg))
+    text = chat.render(render_msgs, tools, add_generation_prompt)
+    if not known:
+        return RenderedPrompt(memory.encode(chat, text), 0, 0, retokenized)
+
+    parts: list[Tokens] = []
+    drift = 0
+    pieces = chat._sentinel_re.split(text)  # [text, index, text, index, ..., text]
+    skip = 0  # characters of the next piece already emitted by the model (its stop token)
+    for i in range(0, len(pieces), 2):
+        piece = pieces[i][skip:]
+        if piece:
+            parts.append(memory.encode(chat, piece))
+        if i + 1 >= len(pieces):
+            break
+        gen, msg = known[int(pieces[i + 1])]
+        parts.append(gen.ids)
+        stop = chat.special_text(int(gen.ids[-1])) if len(gen.ids) else None
+        skip = len(stop) if stop and pieces[i + 2].startswith(stop) else 0
+        if not gen.counted:
+            gen.counted = True
+            drift += _drift(chat, memory, gen, msg, stop if skip else None)
+    memory.drift_tokens += drift
+    memory.drift_replies += drift > 0
+    memory.reused_replies += len(known)
+    ids = np.concatenate(parts) if parts else np.zeros(0, _U32)
+    return RenderedPrompt(ids, drift, len(known), retokenized)
+
+
+def _drift(
+    chat: ChatTemplate, memory: ChatMemory, gen: _Generation, msg: dict[str, Any], stop: str | None
+) -> int:
+    """Tokens a re-tokenizing proxy would have gotten wrong for this reply (0: none). A reply
+    without tool calls is its content; one with tool calls is rendered by the template."""
+    text = chat.emission_text(msg) if msg.get("tool_calls") else (msg.get("content") or "")
+    naive = memory.encode(chat, text + (stop or ""))
+    shared = common_prefix(naive, gen.ids)
+    if shared == len(naive) == len(gen.ids):
+        return 0
+    return max(len(naive), len(gen.ids)) - shared
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True, slots=True)
+class AssistantReply:
+    """The OpenAI assistant message for generated ids."""
+
+    text: str  # decoded, special tokens skipped
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+def parse_reply(
+    chat: ChatTemplate, ids: Tokens, *, tools_enabled: bool, call_id_prefix: str = "call_"
+) -> AssistantReply:
+    """Decode generated ids; with tools, ``<tool_call>{json}</tool_call>`` blocks become tool
+    calls (a block whose JSON is not ``{"name": str, "arguments": ...}`` stays text)."""
+    text = chat.decode(ids)
+    if not tools_enabled or "<tool_call>" not in text:
+        return AssistantReply(text, text, [])
+    calls: list[dict[str, Any]] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            obj = json.loads(match.group(1))
+        except ValueError:
+            return match.group(0)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return match.group(0)
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append({
+            "id": f"{call_id_prefix}{secrets.token_hex(8)}",
+            "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str)
+                         else json.dumps(args, ensure_ascii=False)},
+        })  # fmt: skip
+        return ""
+
+    content = _TOOL_BLOCK.sub(take, text)
+    if not calls:
+        return AssistantReply(text, text, [])
+    content = content.strip()
+    return AssistantReply(text, content or None, calls)
+
+
+def tool_results(memory: ChatMemory, messages: Sequence[dict[str, Any]]) -> list[ToolResult]:
+    """Tool messages answering tool calls this rollout's replies made, not reported before."""
+    out = []
+    for msg in messages:
+        if msg["role"] != "tool":
+            continue
+        tid = msg.get("tool_call_id", "")
+        ref = memory.tool_calls.get(tid)
+        if ref is None or tid in memory.tool_results_seen:
+            continue
+        memory.tool_results_seen.add(tid)
+        out.append(ToolResult(tid, ref[0], ref[1], msg.get("content") or "", ref[2]))
+    return out

@@ -1,0 +1,468 @@
+"""The proxy's inference backends: least-loaded sticky routing, health checks, failover, and the
+pause / drain / resume cycle around weight updates.
+
+Routing: a rollout is pinned to one backend for its whole life (its prefix stays in that
+backend's KV cache). A new rollout goes to the healthy backend with the fewest active rollouts,
+taken from a min-heap keyed by (active rollouts, arrival order); heap entries are invalidated
+lazily (a stamp per backend), so routing costs O(log B). ``release(rollout_id)`` when the rollout
+ends frees its slot.
+
+Failures: a call that fails with BackendUnavailable (connection error, timeout, 5xx) takes the
+backend out of the heap, moves the rollout to the next least-loaded healthy backend and retries
+the SAME call there; nothing has been returned to the client yet, so nothing is lost or doubled.
+When no backend is healthy the call waits for one up to ``backend_wait_s``, then fails with
+NoBackendAvailable. BackendRejected (4xx) and BackendProtocolError are not retried: the request,
+not the backend, is at fault. A health loop probes every backend each ``health_interval_s``;
+a backend that answers again is readmitted, after reloading the current weights if it missed an
+update.
+
+Weight updates (``update_weights(path, version)``): pause (new calls wait at the gate, up to
+``pause_wait_s``, then get PoolPaused -> HTTP 429 with Retry-After), drain (wait for the calls in
+flight), reload every healthy backend, resume. The same three steps are exposed separately for
+callers that reload the backends themselves.
+
+    ProducerError                    root of rollstream.producers (context.py)
+    └── PoolError                    root of this module
+        ├── PoolPaused               the pool stayed paused longer than the caller may wait
+        └── NoBackendAvailable       no healthy backend within backend_wait_s (.last_error)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from rollstream.producers.proxy.backends import (
+    BackendError,
+    BackendKind,
+    BackendUnavailable,
+    Completion,
+    CompletionBackend,
+)
+from rollstream.producers.proxy.http1 import Http1Transport
+from rollstream.producers.sdk.context import ProducerError
+
+__all__ = [
+    "BackendPool",
+    "Member",
+    "NoBackendAvailable",
+    "PoolError",
+    "PoolPaused",
+    "PoolStats",
+]
+
+log = logging.getLogger("rollstream.producers.proxy.pool")
+
+
+class PoolError(ProducerError):
+    """Root of the backend pool's errors."""
+
+
+class PoolPaused(PoolError):
+    """The pool is paused (weight update) and stayed so longer than the caller may wait."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"paused for a weight update; retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+
+
+class NoBackendAvailable(PoolError):
+    """No healthy backend answered within the wait; ``last_error`` is the last failure seen."""
+
+    def __init__(self, message: str, last_error: BackendError | None = None) -> None:
+        super().__init__(message)
+        self.last_error = last_error
+
+
+@dataclass(eq=False, slots=True)
+class Member:
+    """One backend in the pool and what the pool knows about it."""
+
+    backend: CompletionBackend
+    healthy: bool = True
+    active: int = 0  # rollouts pinned here
+    inflight: int = 0
+    calls: int = 0
+    failures: int = 0
+    policy_version: int = 0
+    last_error: str = ""
+    stamp: int = 0  # bumped on every change; older heap entries are stale
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "url": self.backend.base_url, "kind": self.backend.kind,
+            "healthy": self.healthy, "active_rollouts": self.active, "inflight": self.inflight,
+            "calls": self.calls, "failures": self.failures,
+            "policy_version": self.policy_version, "last_error": self.last_error,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    dispatched: int = 0  # backend calls started (retries included)
+    completed: int = 0  # calls answered
+    failovers: int = 0  # calls retried on another backend after a failure
+    moved: int = 0  # rollouts moved off a failed backend
+    paused_waits: int = 0  # calls that waited at the pause gate
+    paused_rejects: int = 0  # calls refused because the pause lasted too long
+    weight_updates: int = 0
+
+
+class BackendPool:
+    """Backends behind the proxy. Use from one event loop; ``start()`` before the first call."""
+
+    def __init__(
+        self,
+        backends: Sequence[CompletionBackend],
+        *,
+        health_interval_s: float = 2.0,
+        backend_wait_s: float = 30.0,
+        pause_wait_s: float = 60.0,
+        retry_after_s: float = 2.0,
+        drain_timeout_s: float = 600.0,
+        owned_clients: Sequence[httpx.AsyncClient] = (),
+    ) -> None:
+        if not backends:
+            raise PoolError("a backend pool needs at least one backend")
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise PoolError(f"backend names must be unique: {names}")
+        self.members = [Member(b) for b in backends]
+        self.health_interval_s = health_interval_s
+        self.backend_wait_s = backend_wait_s
+        self.pause_wait_s = pause_wait_s
+        self.retry_after_s = retry_after_s
+        self.drain_timeout_s = drain_timeout_s
+        self._clients = list(owned_clients)
+        self._heap: list[tuple[int, int, int, Member]] = []
+        self._order = itertools.count()
+        self._sticky: dict[str, Member] = {}
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._member_up = asyncio.Event()
+        self._inflight = 0
+        self._update_lock = asyncio.Lock()
+        self._target: tuple[str, int] | None = None  # weights every backend must serve
+        self._health_task: asyncio.Task[None] | None = None
+        self._counts = {f.name: 0 for f in dataclasses.fields(PoolStats)}
+        self._probe_lock = asyncio.Lock()
+        for m in self.members:
+            self._push(m)
+
+    @classmethod
+    def from_urls(
+        cls,
+        urls: Sequence[str],
+        *,
+        kind: BackendKind = "reference",
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_connections: int = 512,
+        lean_http: bool = True,
+        **kwargs: Any,
+    ) -> BackendPool:
+        """One CompletionBackend per URL (named by its URL), each with its own keep-alive
+        ``httpx.AsyncClient`` sized for many concurrent streams; ``lean_http`` puts the lean
+        HTTP/1.1 transport (http1.py) under it instead of httpcore, and completions go over that
+        transport without httpx."""
+        backends, clients = [], []
+        transport: Http1Transport | None = None
+        for url in urls:
+            timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+            if lean_http:
+                transport = Http1Transport(max_connections=max_connections)
+                http = httpx.AsyncClient(timeout=timeout, transport=transport)
+            else:
+                limits = httpx.Limits(
+                    max_connections=max_connections, max_keepalive_connections=max_connections
+                )
+                http = httpx.AsyncClient(timeout=timeout, limits=limits)
+            clients.append(http)
+            name = url.rstrip("/").removesuffix("/v1")
+            lean = transport if lean_http else None
+            backends.append(CompletionBackend(url, name, kind=kind, http=http, model=model,
+                                              api_key=api_key, lean=lean))  # fmt: skip
+        return cls(backends, owned_clients=clients, **kwargs)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Probe every backend once (health + policy version), then keep probing."""
+        await self.check_health()
+        for m in self.members:
+            if m.healthy:
+                with contextlib.suppress(BackendError):
+                    m.policy_version = await m.backend.policy_version()
+        if self._health_task is None and self.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="pool-health")
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for m in self.members:
+            await m.backend.aclose()
+        for client in self._clients:
+            await client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # never let the loop die
+                log.exception("backend health check failed")
+
+    async def check_health(self) -> None:
+        """Probe every backend; take out the dead ones, readmit the ones that answer again."""
+        async with self._probe_lock:
+            results = await asyncio.gather(*(m.backend.health() for m in self.members))
+            for m, ok in zip(self.members, results, strict=True):
+                if ok and not m.healthy:
+                    await self._readmit(m)
+                elif not ok and m.healthy:
+                    self._mark_down(m, "health check failed")
+
+    async def _readmit(self, m: Member) -> None:
+        try:
+            if self._target is not None:
+                path, version = self._target
+                current = await m.backend.policy_version()
+                if current != version:
+                    log.info("backend %s serves version %d; reloading %d", m.name, current, version)
+                    current = await m.backend.reload_weights(path, version)
+                m.policy_version = current
+            else:
+                m.policy_version = await m.backend.policy_version()
+        except BackendError as exc:
+            m.last_error = str(exc)
+            return
+        m.healthy, m.last_error = True, ""
+        self._push(m)
+        self._member_up.set()
+        log.info("backend %s is back", m.name)
+
+    def _mark_down(self, m: Member, reason: str) -> None:
+        if m.healthy:
+            log.warning("backend %s taken out: %s", m.name, reason)
+        m.healthy, m.last_error = False, reason
+        m.failures += 1
+        m.stamp += 1  # its heap entries are now stale
+        if not any(x.healthy for x in self.members):
+            self._member_up.clear()
+
+    # --- routing -----------------------------------------------------------------------------
+
+    def _push(self, m: Member) -> None:
+        m.stamp += 1
+        if m.healthy:
+            heapq.heappush(self._heap, (m.active, next(self._order), m.stamp, m))
+        if len(self._heap) > 8 * len(self.members) + 64:  # drop stale entries now and then
+            self._heap = [e for e in self._heap if e[2] == e[3].stamp and e[3].healthy]
+            heapq.heapify(self._heap)
+
+    def _least_loaded(self) -> Member | None:
+        while self._heap:
+            _, _, stamp, m = self._heap[0]
+            if m.healthy and stamp == m.stamp:
+                return m
+            heapq.heappop(self._heap)
+        return None
+
+    def route(self, rollout_id: str) -> Member | None:
+        """The backend for this rollout: its pinned one while healthy, else the least loaded
+        (the rollout moves). None when no backend is healthy."""
+        m = self._sticky.get(rollout_id)
+        if m is not None:
+            if m.healthy:
+                return m
+            m.active -= 1
+            self._counts["moved"] += 1
+            del self._sticky[rollout_id]
+        m = self._least_loaded()
+        if m is None:
+            return None
+        m.active += 1
+        self._sticky[rollout_id] = m
+        self._push(m)
+        return m
+
+    def release(self, rollout_id: str) -> None:
+        """The rollout ended: free its slot on its backend."""
+        m = self._sticky.pop(rollout_id, None)
+        if m is not None:
+            m.active -= 1
+            self._push(m)
+
+    def backend_of(self, rollout_id: str) -> str | None:
+        m = self._sticky.get(rollout_id)
+        return m.name if m is not None else None
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def _gate(self) -> None:
+        if self._open.is_set():
+            return
+        self._counts["paused_waits"] += 1
+        try:
+            await asyncio.wait_for(self._open.wait(), self.pause_wait_s)
+        except TimeoutError:
+            self._counts["paused_rejects"] += 1
+            raise PoolPaused(self.retry_after_s) from None
+
+    async def complete(
+        self, rollout_id: str, prompt_ids: np.ndarray | list[int], **params: Any
+    ) -> Completion:
+        """Sample a completion on the rollout's backend, failing over to another one when it
+        is unavailable. ``params`` go to ``CompletionBackend.complete`` (max_tokens, ...).
+        ``latency_s`` of the result covers every attempt (not the wait at the pause gate)."""
+        await self._gate()
+        self._inflight += 1
+        self._idle.clear()
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.backend_wait_s
+        attempts = 0
+        last: BackendError | None = None
+        try:
+            while True:
+                m = self.route(rollout_id)
+                if m is None:
+                    await self._wait_for_member(deadline, last)
+                    continue
+                attempts += 1
+                if attempts > 1:
+                    self._counts["failovers"] += 1
+                m.inflight += 1
+                m.calls += 1
+                self._counts["dispatched"] += 1
+                try:
+                    out = await m.backend.complete(prompt_ids, **params)
+                except BackendUnavailable as exc:
+                    last = exc
+                    self._mark_down(m, str(exc))
+                    if attempts > 4 * len(self.members) or time.monotonic() > deadline:
+                        raise NoBackendAvailable(f"backend call failed: {exc}", exc) from exc
+                    continue
+                finally:
+                    m.inflight -= 1
+                m.policy_version = out.policy_version
+                self._counts["completed"] += 1
+                return dataclasses.replace(out, latency_s=time.perf_counter() - started)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _wait_for_member(self, deadline: float, last: BackendError | None) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            reasons = "; ".join(f"{m.name}: {m.last_error or 'down'}" for m in self.members)
+            raise NoBackendAvailable(f"no healthy backend ({reasons})", last)
+        self._member_up.clear()
+        # probe now rather than waiting for the loop: the backend may just have restarted
+        await self.check_health()
+        if any(m.healthy for m in self.members):
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._member_up.wait(), min(left, self.health_interval_s))
+
+    # --- pause / drain / resume ----------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def pause(self) -> None:
+        """New calls wait at the gate (up to ``pause_wait_s``); calls in flight go on."""
+        self._open.clear()
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no call is in flight; False if ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout or self.drain_timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def resume(self) -> None:
+        self._open.set()
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        """Pause -> drain -> reload every healthy backend (in parallel) -> resume. A backend
+        that fails to reload is taken out and reloaded by the health loop before it serves
+        again. Raises PoolError when the drain times out or no backend could reload."""
+        async with self._update_lock:
+            self.pause()
+            try:
+                t0 = time.perf_counter()
+                if not await self.drain():
+                    raise PoolError(f"drain timed out with {self._inflight} calls in flight")
+                drained = time.perf_counter() - t0
+                self._target = (path, version)
+                live = [m for m in self.members if m.healthy]
+                results = await asyncio.gather(
+                    *(m.backend.reload_weights(path, version) for m in live),
+                    return_exceptions=True,
+                )
+                failed = {}
+                for m, r in zip(live, results, strict=True):
+                    if isinstance(r, BaseException):
+                        failed[m.name] = str(r)
+                        self._mark_down(m, f"reload failed: {r}")
+                    else:
+                        m.policy_version = int(r)
+                if live and len(failed) == len(live):
+                    raise PoolError(f"no backend could load {path}: {failed}")
+                self._counts["weight_updates"] += 1
+                return {
+                    "policy_version": version, "reloaded": len(live) - len(failed),
+                    "failed": failed, "drain_s": round(drained, 4),
+                    "total_s": round(time.perf_counter() - t0, 4),
+                }  # fmt: skip
+            finally:
+                self.resume()
+
+    # --- introspection -----------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The version the pool serves (the last update's, else the highest reported)."""
+        if self._target is not None:
+            return self._target[1]
+        return max((m.policy_version for m in self.members), default=0)
+
+    @property
+    def stats(self) -> PoolStats:
+        return PoolStats(**self._counts)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused, "inflight": self._inflight,
+            "policy_version": self.policy_version, "rollouts": len(self._sticky),
+            "backends": [m.status() for m in self.members],
+            "stats": dataclasses.asdict(self.stats),
+        }  # fmt: skip

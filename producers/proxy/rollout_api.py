@@ -1,0 +1,389 @@
+"""The proxy's rollout API: rollout-scoped tokens, the registry of open rollouts, and the HTTP
+routes a harness that speaks only HTTP uses to create a rollout, post rewards and finish it.
+
+    POST /v1/rollouts                      admin key  {task_id, group_id, metadata, ...}
+                                           -> {rollout_id, base_url, token, policy_version}
+    GET  /v1/rollouts/{rollout_id}         its token  -> status, calls, drift counters
+    POST /v1/rollouts/{rollout_id}/rewards its token  {value, kind, name, at_call_id, evaluator}
+                                                      or {"rewards": [...]}
+    POST /v1/rollouts/{rollout_id}/tool_calls its token {name, arguments, result, is_error,
+                                                      duration_ms, sandbox, at_call_id}
+    POST /v1/rollouts/{rollout_id}/finish  its token  {status, error}
+
+Tokens: ``rs1.<rollout_id>.<sig>`` with sig = base64url(HMAC-SHA256(secret, rollout_id)). A
+token opens only the rollout named in it: a bad signature is 401, a good token used on another
+rollout's URL is 403. Admin keys (``proxy_api_keys``) open everything; with no admin key set the
+admin routes are open (local use) and a warning is logged at start. Secrets are never logged.
+
+Every event goes through the SDK (``Recorder`` -> ``RolloutHandle``): ordered per rollout,
+spooled while Kafka is away, never lost by the proxy once accepted.
+
+Errors are ApiError (openai_wire.py), answered as OpenAI error objects.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from ulid import ULID
+
+from rollstream.producers.proxy.chat import ChatMemory
+from rollstream.producers.proxy.openai_wire import (
+    ApiError,
+    ProxyError,
+    bearer,
+    dumps,
+    json_response,
+    read_json,
+)
+from rollstream.producers.proxy.pool import BackendPool
+from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError, RolloutHandle
+from rollstream.schemas import RewardKind, RolloutStatus
+
+__all__ = ["Auth", "OpenRollout", "RolloutApi", "RolloutTokens", "Rollouts"]
+
+ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+
+
+class RolloutTokens:
+    """Issues and checks rollout-scoped bearer tokens (HMAC of the rollout id)."""
+
+    PREFIX = "rs1."
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ProxyError("the rollout token secret must be at least 16 bytes")
+        self._secret = secret
+        self._valid: dict[str, str] = {}  # tokens checked already -> their rollout id
+
+    def _sig(self, rollout_id: str) -> str:
+        mac = hmac.new(self._secret, rollout_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+    def issue(self, rollout_id: str) -> str:
+        return f"{self.PREFIX}{rollout_id}.{self._sig(rollout_id)}"
+
+    def verify(self, token: str) -> str | None:
+        """The rollout id the token opens, or None if it is not a valid token. Valid tokens
+        are remembered (up to 65,536), so a rollout's calls after its first skip the HMAC."""
+        rid = self._valid.get(token)
+        if rid is not None:
+            return rid
+        if not token.startswith(self.PREFIX):
+            return None
+        rollout_id, dot, sig = token[len(self.PREFIX) :].rpartition(".")
+        if not dot or not rollout_id:
+            return None
+        if not hmac.compare_digest(sig, self._sig(rollout_id)):
+            return None
+        if len(self._valid) >= 65_536:
+            self._valid.clear()
+        self._valid[token] = rollout_id
+        return rollout_id
+
+
+class Auth:
+    def __init__(self, tokens: RolloutTokens, admin_keys: Sequence[str]) -> None:
+        self.tokens = tokens
+        self._admin = [k.encode() for k in admin_keys if k]
+
+    @property
+    def admin_open(self) -> bool:
+        return not self._admin
+
+    def is_admin(self, token: str | None) -> bool:
+        if token is None:
+            return False
+        raw = token.encode()
+        return any(hmac.compare_digest(raw, k) for k in self._admin)
+
+    def admin(self, request: Request) -> None:
+        if self.admin_open:
+            return
+        token = bearer(request)
+        if token is None:
+            raise ApiError(
+                401, "missing admin API key (Authorization: Bearer ...)", code="unauthorized"
+            )
+        if not self.is_admin(token):
+            raise ApiError(401, "invalid admin API key", code="unauthorized")
+
+    def rollout(self, request: Request, rollout_id: str | None) -> str:
+        """The rollout this request may write: the URL's (checked against the token) or, on an
+        unscoped URL, the token's own."""
+        return self.rollout_of(bearer(request), rollout_id)
+
+    def rollout_of(self, token: str | None, rollout_id: str | None) -> str:
+        """``rollout`` for a bearer token already taken from the request."""
+        if token is None:
+            raise ApiError(
+                401, "missing rollout token (Authorization: Bearer ...)", code="unauthorized"
+            )
+        owner = self.tokens.verify(token)
+        if owner is None:
+            if rollout_id is not None and self.is_admin(token):
+                return rollout_id
+            raise ApiError(401, "invalid rollout token", code="unauthorized")
+        if rollout_id is not None and owner != rollout_id:
+            raise ApiError(403, "this token belongs to another rollout", code="forbidden")
+        return owner
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(eq=False, slots=True)
+class OpenRollout:
+    handle: RolloutHandle
+    memory: ChatMemory = field(default_factory=ChatMemory)
+    last_seen: float = field(default_factory=time.monotonic)
+    calls: int = 0
+    errors: int = 0
+    drift_tokens: int = 0
+
+    @property
+    def rollout_id(self) -> str:
+        return self.handle.rollout_id
+
+
+class Rollouts:
+    """The proxy's open rollouts (in memory) and the recently finished ones (for 409s)."""
+
+    def __init__(
+        self, recorder: Recorder, pool: BackendPool, *, keep_finished: int = 100_000
+    ) -> None:
+        self.recorder, self.pool = recorder, pool
+        self.open: dict[str, OpenRollout] = {}
+        self.finished: OrderedDict[str, str] = OrderedDict()
+        self.keep_finished = keep_finished
+        self.created = 0
+
+    def create(self, *, rollout_id: str | None = None, **started: Any) -> OpenRollout:
+        rid = rollout_id or str(ULID())
+        if not ROLLOUT_ID.match(rid):
+            raise ApiError(400, "rollout_id must match [A-Za-z0-9_-]{1,128}", param="rollout_id")
+        if rid in self.open or rid in self.finished:
+            raise ApiError(
+                409, f"rollout {rid} already exists", code="rollout_exists", param="rollout_id"
+            )
+        handle = self.recorder.rollout(
+            rollout_id=rid, policy_version=self.pool.policy_version, **started
+        )
+        ro = OpenRollout(handle)
+        self.open[rid] = ro
+        self.created += 1
+        return ro
+
+    def get(self, rollout_id: str) -> OpenRollout:
+        ro = self.open.get(rollout_id)
+        if ro is not None:
+            ro.last_seen = time.monotonic()
+            return ro
+        if rollout_id in self.finished:
+            status = self.finished[rollout_id]
+            raise ApiError(
+                409, f"rollout {rollout_id} is finished ({status})", code="rollout_finished"
+            )
+        raise ApiError(404, f"rollout {rollout_id} not found", code="rollout_not_found")
+
+    def finish(
+        self, rollout_id: str, status: RolloutStatus | str, error: str | None = None
+    ) -> bool:
+        ro = self.open.pop(rollout_id, None)
+        if ro is None:
+            return False
+        ro.handle.finish(status, error)
+        self.pool.release(rollout_id)
+        self.finished[rollout_id] = str(status)
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
+        return True
+
+    def sweep(self, idle_s: float) -> int:
+        """Finish (status timeout) the rollouts idle for longer than ``idle_s``."""
+        now = time.monotonic()
+        stale = [rid for rid, ro in self.open.items() if now - ro.last_seen > idle_s]
+        for rid in stale:
+            self.finish(rid, RolloutStatus.TIMEOUT, f"no request for {idle_s:g} s")
+        return len(stale)
+
+    def close(self, reason: str) -> int:
+        """Finish every open rollout as aborted (the proxy is shutting down)."""
+        ids = list(self.open)
+        for rid in ids:
+            self.finish(rid, RolloutStatus.ABORTED, reason)
+        return len(ids)
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def _str_dict(value: Any, param: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"`{param}` must be an object", param=param)
+    return {str(k): v if isinstance(v, str) else dumps(v).decode() for k, v in value.items()}
+
+
+def _opt_str(body: dict[str, Any], key: str, default: str | None = "") -> Any:
+    value = body.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"`{key}` must be a string", param=key)
+    return value
+
+
+def _opt_int(body: dict[str, Any], key: str, default: int | None) -> Any:
+    value = body.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ApiError(400, f"`{key}` must be a non-negative integer", param=key)
+    return value
+
+
+class RolloutApi:
+    """Handlers of the rollout routes, over a registry, tokens and admin keys."""
+
+    def __init__(
+        self, rollouts: Rollouts, auth: Auth, *, public_url: str | None, max_body: int
+    ) -> None:
+        self.rollouts, self.auth = rollouts, auth
+        self.public_url = public_url.rstrip("/") if public_url else None
+        self.max_body = max_body
+
+    async def create(self, request: Request) -> Response:
+        self.auth.admin(request)
+        body = await read_json(request, self.max_body)
+        task_id = body.get("task_id")
+        if not isinstance(task_id, str) or not task_id:
+            raise ApiError(400, "`task_id` is required (a non-empty string)", param="task_id")
+        sampling = body.get("sampling") or {}
+        if not isinstance(sampling, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in sampling.values()
+        ):
+            raise ApiError(400, "`sampling` must map names to numbers", param="sampling")
+        ro = self.rollouts.create(
+            rollout_id=_opt_str(body, "rollout_id", None),
+            task_id=task_id,
+            group_id=_opt_str(body, "group_id", task_id) or task_id,
+            attempt=_opt_int(body, "attempt", 0),
+            harness=_opt_str(body, "harness"),
+            group_size=_opt_int(body, "group_size", None),
+            run_id=_opt_str(body, "run_id"),
+            sampling=sampling,
+            metadata=_str_dict(body.get("metadata"), "metadata"),
+        )
+        base = self.public_url or str(request.base_url).rstrip("/")
+        rid = ro.rollout_id
+        return json_response({
+            "rollout_id": rid, "task_id": task_id, "group_id": ro.handle.group_id,
+            "base_url": f"{base}/rollouts/{rid}/v1", "token": self.auth.tokens.issue(rid),
+            "policy_version": ro.handle.policy_version,
+        }, 201)  # fmt: skip
+
+    def _open(self, request: Request) -> OpenRollout:
+        rid = self.auth.rollout(request, request.path_params["rollout_id"])
+        return self.rollouts.get(rid)
+
+    async def get(self, request: Request) -> Response:
+        rid = self.auth.rollout(request, request.path_params["rollout_id"])
+        ro = self.rollouts.open.get(rid)
+        if ro is None:
+            if rid in self.rollouts.finished:
+                return json_response({"rollout_id": rid, "status": self.rollouts.finished[rid]})
+            raise ApiError(404, f"rollout {rid} not found", code="rollout_not_found")
+        m = ro.memory
+        return json_response({
+            "rollout_id": rid, "status": "running", "task_id": ro.handle.task_id,
+            "group_id": ro.handle.group_id, "events": ro.handle.seq, "calls": ro.calls,
+            "errors": ro.errors, "backend": self.rollouts.pool.backend_of(rid),
+            "drift_tokens": m.drift_tokens, "drift_replies": m.drift_replies,
+            "reused_replies": m.reused_replies,
+        })  # fmt: skip
+
+    async def tool_calls(self, request: Request) -> Response:
+        """A tool the harness ran: {name, arguments, result, is_error, duration_ms, sandbox,
+        at_call_id, tool_call_id} (tool results sent as chat messages are recorded already)."""
+        ro = self._open(request)
+        body = await read_json(request, self.max_body)
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "`name` is required (a non-empty string)", param="name")
+        arguments = body.get("arguments", "")
+        if not isinstance(arguments, str | dict | list):
+            msg = "`arguments` must be a string, an object or a list"
+            raise ApiError(400, msg, param="arguments")
+        result = body.get("result", "")
+        duration = body.get("duration_ms", 0.0)
+        if isinstance(duration, bool) or not isinstance(duration, int | float):
+            raise ApiError(400, "`duration_ms` must be a number", param="duration_ms")
+        opt = {k: _opt_str(body, k, None) for k in ("sandbox", "at_call_id", "tool_call_id")}
+        text = result if isinstance(result, str) else dumps(result).decode()
+        try:
+            tid = ro.handle.tool_call(
+                name, arguments, text, is_error=bool(body.get("is_error", False)),
+                duration_ms=float(duration), **opt,
+            )  # fmt: skip
+        except RecorderUsageError as exc:
+            raise ApiError(409, str(exc), code="rollout_finished") from exc
+        return json_response({"rollout_id": ro.rollout_id, "tool_call_id": tid})
+
+    async def rewards(self, request: Request) -> Response:
+        ro = self._open(request)
+        body = await read_json(request, self.max_body)
+        items = body.get("rewards", [body])
+        if not isinstance(items, list) or not items:
+            raise ApiError(400, "`rewards` must be a non-empty list", param="rewards")
+        parsed = []
+        for i, item in enumerate(items):
+            p = f"rewards[{i}]" if "rewards" in body else ""
+            value = item.get("value") if isinstance(item, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ApiError(400, "`value` must be a number", param=f"{p}.value".lstrip("."))
+            try:
+                kind = RewardKind(item.get("kind", "final"))
+            except ValueError:
+                kinds = ", ".join(k.value for k in RewardKind)
+                raise ApiError(
+                    400, f"`kind` must be one of {kinds}", param=f"{p}.kind".lstrip(".")
+                ) from None
+            at_call_id = _opt_str(item, "at_call_id", None)
+            names = _opt_str(item, "name"), _opt_str(item, "evaluator")
+            parsed.append((float(value), kind, names[0], at_call_id, names[1]))
+        ids = []
+        for value, kind, name, at_call_id, evaluator in parsed:
+            try:
+                ids.append(
+                    ro.handle.reward(
+                        value, kind, name=name, at_call_id=at_call_id, evaluator=evaluator
+                    )
+                )
+            except RecorderUsageError as exc:
+                raise ApiError(409, str(exc), code="rollout_finished") from exc
+        return json_response({"rollout_id": ro.rollout_id, "recorded": len(ids), "event_ids": ids})
+
+    async def finish(self, request: Request) -> Response:
+        rid = self.auth.rollout(request, request.path_params["rollout_id"])
+        body = await read_json(request, self.max_body)
+        try:
+            status = RolloutStatus(body.get("status", "completed"))
+        except ValueError:
+            kinds = ", ".join(s.value for s in RolloutStatus)
+            raise ApiError(400, f"`status` must be one of {kinds}", param="status") from None
+        error = _opt_str(body, "error", None)
+        if rid in self.rollouts.finished:
+            return json_response(
+                {"rollout_id": rid, "status": self.rollouts.finished[rid], "finished": False}
+            )
+        self.rollouts.get(rid)  # 404 when unknown
+        self.rollouts.finish(rid, status, error)
+        return json_response({"rollout_id": rid, "status": status.value, "finished": True})
