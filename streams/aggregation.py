@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rollstream.schemas import Codec, DecodeError, Trajectory
+from rollstream.schemas.dlq import CODE_MISROUTED, CODE_UNDECODABLE
 from rollstream.streams.core import (
     GroupClosed,
     GroupConfig,
@@ -35,7 +36,6 @@ from .books import (
     traj_key,
     unpack,
 )
-from .dlq import CODE_MISROUTED, CODE_UNDECODABLE
 
 __all__ = ["GroupBook"]
 

@@ -41,7 +41,8 @@ from faust.sensors.monitor import Monitor
 from faust.types import TP
 from mode import CrashingSupervisor
 
-from rollstream.schemas import Codec, TopicSpec
+from rollstream.adapters.codecs import build_codec
+from rollstream.schemas import TopicSpec
 
 from .aggregation import GroupBook
 from .books import RolloutBook, Route, Sink, Step, Write
@@ -218,7 +219,7 @@ class Processor:
         self.groups_table: Any = cast(
             Any, app.Table("groups", partitions=n_groups, extra_topic_configs=max_bytes, **raw)
         )
-        codec = Codec()
+        codec = build_codec(s)
         route = group_route(n_groups)
         self.rollouts = RolloutBook(
             s.builder_config(),

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
 from rollstream.schemas import Codec, DecodeError, Event
+from rollstream.schemas.dlq import CODE_UNDECODABLE, CODE_WRONG_KEY, dlq_headers
 from rollstream.streams.core import (
     BuilderConfig,
     GroupState,
@@ -67,8 +68,6 @@ from rollstream.streams.core import (
     state_from_bytes,
     state_to_bytes,
 )
-
-from .dlq import CODE_UNDECODABLE, CODE_WRONG_KEY, dlq_headers
 
 __all__ = [
     "GROUP_HEADER",
@@ -229,7 +228,7 @@ class Book:
             stage=self.stage,
             processor=self.processor,
         )
-        return Out(Sink.DLQ, key, value, headers)
+        return Out(Sink.DLQ, key, value, tuple(headers))
 
     # set by the subclasses: open and closed slots by id, and the table key of a member
     open: dict[str, Slot[Any]]

@@ -35,7 +35,7 @@ from rollstream.streams.core import (
     expire_group,
     replay,
 )
-from rollstream.streams.dlq import read_headers
+from rollstream.schemas.dlq import read_headers
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,7 @@ from rollstream.streams.core import (
     add_to_group,
     replay,
 )
-from rollstream.streams.dlq import read_headers
+from rollstream.schemas.dlq import read_headers
 from rollstream.streams.offsets import Admit, OffsetGuard
 
 codec = Codec()
