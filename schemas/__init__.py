@@ -1,6 +1,14 @@
 """rollstream.schemas: the event contract everyone imports; it imports nothing of ours."""
 
-from .codec import AVRO_DIR, RECORD_TYPES, Codec, RegistryClient, SchemaSet, load_schema
+from .codec import (
+    AVRO_DIR,
+    RECORD_TYPES,
+    Codec,
+    SchemaRegistry,
+    SchemaSet,
+    load_schema,
+    registry_subject,
+)
 from .errors import DecodeError, EncodeError, RegistryError, SchemaError, UnknownSchemaError
 from .events import (
     BODY_TYPES,
@@ -54,7 +62,6 @@ __all__ = [
     "LlmCall",
     "PolicyVersion",
     "Record",
-    "RegistryClient",
     "RegistryError",
     "Reward",
     "RewardKind",
@@ -66,6 +73,7 @@ __all__ = [
     "Sample",
     "SampleMode",
     "SchemaError",
+    "SchemaRegistry",
     "SchemaSet",
     "ToolCall",
     "TopicSpec",
@@ -77,4 +85,5 @@ __all__ = [
     "as_array",
     "kafka_client_config",
     "load_schema",
+    "registry_subject",
 ]

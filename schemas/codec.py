@@ -5,15 +5,27 @@ Wire formats:
   fingerprint of the writer schema's canonical form + the Avro binary body. Readers resolve the
   writer schema by fingerprint and read it into the current (reader) schema, so records written
   by an older or newer compatible schema decode.
-- Confluent Schema Registry framing (when a registry URL is given): ``00`` + 4-byte big-endian
-  schema id + body; ids are registered and fetched through the registry's REST API.
+- Confluent Schema Registry framing (when the codec is given a ``SchemaRegistry``): ``00`` +
+  4-byte big-endian schema id + body, the framing of Confluent's own serializers (their "magic
+  byte 0" prefix), so a Confluent ``AvroDeserializer`` reads our records and we read theirs.
+  The registry client is an I/O edge that lives in ``rollstream.adapters.registry`` (over
+  confluent-kafka's ``SchemaRegistryClient``); this module knows only the ``SchemaRegistry``
+  protocol. Subjects are named after the record, ``<record full name>-value``
+  (``rollstream.Event-value``; ``registry_subject``), not after the topic as Confluent's default
+  TopicNameStrategy does (``<topic>-value``): a codec encodes a record without knowing its topic,
+  one record type is the unit of schema evolution, and namespaced topics (``ns.rollout.events``,
+  replays beside live data) would otherwise register the same schema under one subject per
+  namespace. Readers resolve a schema by id alone, so any Confluent client reads our topics
+  whatever the subject.
 
 Token arrays are packed bytes fields (see events.py), so a decode reads the record plus one
-``np.frombuffer`` per array. ``Codec.decode`` reads records written with the reader schema itself
-(the usual case) through a reader compiled from that schema (fastread.py), straight into the
-typed classes; a record written with another schema version goes through fastavro's schema
-resolution and ``from_avro``. ``decode_dict`` always uses fastavro. ``Codec.decode`` never
-raises anything but ``DecodeError``.
+``np.frombuffer`` per array. ``Codec.encode`` writes records through a writer compiled from the
+schema (fastwrite.py), falling back to fastavro for a schema the compiler does not support (the
+same bytes). ``Codec.decode`` reads records written with the reader schema itself (the usual
+case) through a reader compiled from that schema (fastread.py), straight into the typed classes;
+a record written with another schema version, or with a schema the compiled reader does not
+support, goes through fastavro's schema resolution and ``from_avro``. ``decode_dict`` always uses
+fastavro. ``Codec.decode`` never raises anything but ``DecodeError``.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
@@ -49,9 +61,10 @@ __all__ = [
     "AVRO_DIR",
     "RECORD_TYPES",
     "Codec",
-    "RegistryClient",
+    "SchemaRegistry",
     "SchemaSet",
     "load_schema",
+    "registry_subject",
 ]
 
 AVRO_DIR = Path(__file__).parent / "avro"
@@ -151,45 +164,24 @@ class SchemaSet:
         return self.readers[name]
 
 
-class RegistryClient:
-    """The few calls of the Confluent Schema Registry REST API that framing needs."""
-
-    def __init__(self, url: str, *, timeout: float = 10.0, auth: tuple[str, str] | None = None):
-        import httpx  # I/O edge: only when a registry is configured
-
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, auth=auth)
-        self._ids: dict[tuple[str, str], int] = {}
-        self._schemas: dict[int, dict[str, Any]] = {}
+class SchemaRegistry(Protocol):
+    """What the codec needs of a Confluent-compatible schema registry.
+    ``rollstream.adapters.registry.ConfluentRegistry`` implements it over confluent-kafka's
+    client; both calls raise ``RegistryError`` when the registry fails or answers nonsense."""
 
     def register(self, subject: str, schema_json: dict[str, Any]) -> int:
-        text = json.dumps(schema_json, separators=(",", ":"))
-        key = (subject, text)
-        if key not in self._ids:
-            try:
-                resp = self._http.post(
-                    f"/subjects/{subject}/versions",
-                    json={"schema": text},
-                    headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
-                )
-                resp.raise_for_status()
-                self._ids[key] = int(resp.json()["id"])
-            except Exception as exc:
-                raise RegistryError(f"registering {subject}: {exc}") from exc
-            self._schemas[self._ids[key]] = schema_json
-        return self._ids[key]
+        """The id of ``schema_json`` under ``subject`` (registering it when it is new)."""
+        ...
 
     def get(self, schema_id: int) -> dict[str, Any]:
-        if schema_id not in self._schemas:
-            try:
-                resp = self._http.get(f"/schemas/ids/{schema_id}")
-                resp.raise_for_status()
-                self._schemas[schema_id] = json.loads(resp.json()["schema"])
-            except Exception as exc:
-                raise RegistryError(f"fetching schema id {schema_id}: {exc}") from exc
-        return self._schemas[schema_id]
+        """The Avro schema (parsed JSON) registered with id ``schema_id``."""
+        ...
 
-    def close(self) -> None:
-        self._http.close()
+
+def registry_subject(name: str) -> str:
+    """The registry subject of record type ``name``: ``rollstream.Event`` ->
+    ``rollstream.Event-value`` (why not the topic: see the module docstring)."""
+    return f"{name}-value"
 
 
 class Codec:
@@ -198,13 +190,18 @@ class Codec:
     ``encode(record)`` picks the schema from the record's type. ``decode(data)`` returns the
     typed record; ``decode(data, expect=Sample)`` also checks the type. Any failure to decode is
     a ``DecodeError`` carrying the raw bytes and the reason.
+
+    With a ``registry`` the codec frames records for it: the first record of a type registers
+    that type's schema (``RegistryError`` if the registry fails; the id is kept, so later
+    records of the type never wait on the registry) and a record of an unknown id fetches its
+    writer schema once.
     """
 
     def __init__(
         self,
         schemas: SchemaSet | None = None,
         *,
-        registry: RegistryClient | None = None,
+        registry: SchemaRegistry | None = None,
         writer_overrides: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.schemas = schemas or SchemaSet()
@@ -213,7 +210,8 @@ class Codec:
         self._registry_writers: dict[int, _Schema] = {}
         # a writer schema other than the reader (used to produce old/new versions in tests)
         self._writers: dict[str, _Schema] = {}
-        self._compiled: dict[str, Writer] = {}  # writes the header, then the body
+        # writes the header, then the body; None: a schema the compiler does not support
+        self._compiled: dict[str, Writer | None] = {}
         # header bytes (C3 01 + fingerprint, or 00 + registry id) -> compiled reader, for the
         # writer schemas that are their reader schema; None: use fastavro's resolution
         self._fast: dict[bytes, tuple[int, str, type[Any], Reader] | None] = {}
@@ -227,19 +225,42 @@ class Codec:
     def _writer(self, name: str) -> _Schema:
         return self._writers.get(name) or self.schemas.reader(name)
 
+    def _header(self, name: str) -> bytes:
+        """The wire header of records of type ``name``: ``C3 01`` + fingerprint, or ``00`` +
+        registry id (registering the writer schema the first time; ``RegistryError``)."""
+        schema = self._writer(name)
+        if self.registry is None:
+            return SINGLE_OBJECT_MAGIC + schema.fingerprint
+        schema_id = self._registry_ids.get(name)
+        if schema_id is None:
+            schema_id = self.registry.register(registry_subject(name), schema.json)
+            self._registry_ids[name] = schema_id
+        return CONFLUENT_MAGIC + struct.pack(">I", schema_id)
+
+    def _compile(self, name: str) -> Writer | None:
+        """The compiled writer of ``name`` (kept), or None: fastavro writes it (another writer
+        schema version, or a schema construct the compiled writer does not support)."""
+        write: Writer | None = None
+        if name not in self._writers:
+            header = self._header(name)
+            try:
+                write = compile_writer(
+                    self.schemas.reader(name).json, _RECORD_CLASSES, prefix=header
+                )
+            except Exception:  # a schema or class the compiled writer cannot handle
+                write = None
+        self._compiled[name] = write
+        return write
+
     def encode(self, record: Record) -> bytes:
         name = _TYPE_NAMES.get(type(record))
         if name is None:
             raise EncodeError(f"not a top-level rollstream record: {type(record).__name__}")
-        if self.registry is not None or name in self._writers:
-            return self.encode_dict(name, record.to_avro())
-        write = self._compiled.get(name)
+        write = self._compiled.get(name, _MISS)
+        if write is _MISS:
+            write = self._compile(name)
         if write is None:
-            schema = self.schemas.reader(name)
-            header = SINGLE_OBJECT_MAGIC + schema.fingerprint
-            write = self._compiled[name] = compile_writer(
-                schema.json, _RECORD_CLASSES, prefix=header
-            )
+            return self.encode_dict(name, record.to_avro())
         try:
             return write(record)
         except Exception as exc:  # a value that does not fit its field
@@ -250,30 +271,23 @@ class Codec:
     ) -> Callable[..., bytes] | None:
         """A writer of record ``name`` with a ``body`` event from its leaf fields as
         positional arguments (``fastwrite.compile_flat_writer``): the same bytes ``encode``
-        makes, with no record objects built. None when this codec frames records for a schema
-        registry or writes ``name`` with another schema version: the caller encodes records."""
-        if self.registry is not None or name in self._writers:
+        makes, registry framing included, with no record objects built. None when this codec
+        writes ``name`` with another schema version: the caller encodes records. With a
+        registry, the schema of ``name`` is registered here (``RegistryError``)."""
+        if name in self._writers:
             return None
-        schema = self.schemas.reader(name)
         return compile_flat_writer(
-            schema.json,
+            self.schemas.reader(name).json,
             _RECORD_CLASSES,
             body=body,
             params=params,
-            prefix=SINGLE_OBJECT_MAGIC + schema.fingerprint,
+            prefix=self._header(name),
         )
 
     def encode_dict(self, name: str, data: dict[str, Any]) -> bytes:
         schema = self._writer(name)
         buf = io.BytesIO()
-        if self.registry is not None:
-            schema_id = self._registry_ids.get(name)
-            if schema_id is None:
-                schema_id = self.registry.register(f"{name}-value", schema.json)
-                self._registry_ids[name] = schema_id
-            buf.write(CONFLUENT_MAGIC + struct.pack(">I", schema_id))
-        else:
-            buf.write(SINGLE_OBJECT_MAGIC + schema.fingerprint)
+        buf.write(self._header(name))
         try:
             fastavro.schemaless_writer(buf, schema.parsed, data)
         except Exception as exc:
@@ -298,6 +312,8 @@ class Codec:
                     writer = _Schema(self.registry.get(schema_id))
                 except RegistryError as exc:
                     raise UnknownSchemaError(str(exc), data) from exc
+                except Exception as exc:  # an answer that is no Avro record schema
+                    raise UnknownSchemaError(f"schema id {schema_id}: {exc}", data) from exc
                 self._registry_writers[schema_id] = writer
             return writer, 5
         raise DecodeError("no Avro single-object or registry header", data)

@@ -2,9 +2,12 @@
 
 SchemaError                      root of rollstream.schemas
 ├── DecodeError                  bytes that are not a record we can read (carries raw + reason)
-│   └── UnknownSchemaError       a fingerprint / registry id no known schema matches
+│   └── UnknownSchemaError       a fingerprint / registry id no known schema matches (or the
+│                                registry could not tell: the RegistryError is its cause)
 ├── EncodeError                  a record that does not fit its schema
-└── RegistryError                the schema registry failed or answered nonsense
+└── RegistryError                the schema registry failed or answered nonsense (raised by a
+                                 SchemaRegistry, e.g. rollstream.adapters.registry, from the
+                                 client's own error)
 """
 
 from __future__ import annotations
@@ -35,4 +38,6 @@ class EncodeError(SchemaError):
 
 
 class RegistryError(SchemaError):
-    """The Confluent-compatible schema registry failed."""
+    """The Confluent-compatible schema registry failed: ``Codec.encode`` raises it when the
+    first record of a type cannot be registered; on decode it becomes an
+    ``UnknownSchemaError``."""

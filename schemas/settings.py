@@ -30,7 +30,7 @@ class CommonSettings(BaseSettings):
     kafka_ssl_ca_location: str | None = None  # CA bundle for TLS
     namespace: str = ""  # topic prefix: `ns.rollout.events`; replays run beside live data
     topic_replication: int = 1  # replication factor of the topics the manager creates
-    schema_registry_url: str | None = None  # Confluent registry framing instead of single-object
+    schema_registry_url: str | None = None  # Confluent-API registry: 00+id framing; registry extra
     clickhouse_url: str = "chdb://.rollstream/clickhouse"  # chDB path or http(s):// server
     home: Path = Path(".rollstream")  # local state: broker data, models, checkpoints, logs
 

@@ -1,4 +1,6 @@
-"""The codec: round trips for every schema, evolution both ways, bad bytes, registry framing."""
+"""The codec: round trips for every schema, evolution both ways, bad bytes, registry framing
+(through confluent-kafka's registry client, against a minimal HTTP registry), the fastavro
+fallbacks of a schema the compiled writer or reader does not support."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollstream.adapters.registry import ConfluentRegistry
 from rollstream.schemas import (
     RECORD_TYPES,
     Branch,
@@ -27,7 +30,7 @@ from rollstream.schemas import (
     Event,
     LlmCall,
     PolicyVersion,
-    RegistryClient,
+    RegistryError,
     Reward,
     RewardKind,
     RewardRecord,
@@ -44,6 +47,7 @@ from rollstream.schemas import (
     UnknownSchemaError,
     Usage,
     load_schema,
+    registry_subject,
 )
 from rollstream.schemas.codec import _RECORD_CLASSES
 from rollstream.schemas.fastread import ReadError, compile_reader
@@ -334,19 +338,24 @@ def test_expect_type_mismatch_is_a_decode_error() -> None:
 
 
 class _Registry(BaseHTTPRequestHandler):
-    """A minimal Confluent-compatible registry (the I/O edge: no registry runs here)."""
+    """A minimal Confluent-compatible registry (the I/O edge; tests/integration/test_registry.py
+    runs a real one): ids by schema text, subjects remembered."""
 
     schemas: dict[int, str] = {}
+    subjects: dict[str, list[int]] = {}
 
     def do_POST(self) -> None:
+        subject = self.path.split("?")[0].split("/")[2]  # /subjects/<subject>/versions?...
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body.get("schemaType", "AVRO") == "AVRO"
         ids = {v: k for k, v in self.schemas.items()}
         schema_id = ids.get(body["schema"]) or len(self.schemas) + 1
         self.schemas[schema_id] = body["schema"]
+        self.subjects.setdefault(subject, []).append(schema_id)
         self._send({"id": schema_id})
 
     def do_GET(self) -> None:
-        schema_id = int(self.path.rsplit("/", 1)[1])
+        schema_id = int(self.path.split("?")[0].rsplit("/", 1)[1])  # /schemas/ids/<id>
         if schema_id in self.schemas:
             self._send({"schema": self.schemas[schema_id]})
         else:
@@ -370,18 +379,65 @@ def registry_url() -> Iterator[str]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
+    server.server_close()
 
 
 def test_registry_framing_round_trip(registry_url: str) -> None:
-    writer = Codec(registry=RegistryClient(registry_url))
+    writer = Codec(registry=ConfluentRegistry(registry_url))
     data = writer.encode(_llm_event())
     assert data[:1] == b"\x00" and len(data) > 5
-    reader = Codec(registry=RegistryClient(registry_url))  # learns the schema by id
+    (schema_id,) = struct.unpack(">I", data[1:5])
+    assert schema_id in _Registry.subjects[registry_subject("rollstream.Event")]
+    assert registry_subject("rollstream.Event") == "rollstream.Event-value"
+    assert data[5:] == CODEC.encode(_llm_event())[10:]  # the same body behind either header
+    reader = Codec(registry=ConfluentRegistry(registry_url))  # learns the schema by id
     assert reader.decode(data) == _llm_event()
+    assert reader.decode_dict(data) == CODEC.decode_dict(CODEC.encode(_llm_event()))
+    assert writer.encode_dict("rollstream.Event", _llm_event().to_avro()) == data
     with pytest.raises(UnknownSchemaError):
         reader.decode(b"\x00\x00\x00\x03\xe7" + data[5:])  # id 999 is not registered
     with pytest.raises(UnknownSchemaError):
         CODEC.decode(data)  # no registry configured
+
+
+def test_registry_errors_are_registry_errors_from_the_client_error() -> None:
+    """Nothing listens on port 9: registering raises RegistryError (from confluent-kafka's
+    error) out of encode; reading a registry-framed record is an UnknownSchemaError."""
+    down = ConfluentRegistry("http://127.0.0.1:9", {"max.retries": 0})
+    with pytest.raises(RegistryError) as info:
+        down.register("rollstream.Event-value", load_schema("rollstream.Event"))
+    assert info.value.__cause__ is not None
+    with pytest.raises(RegistryError) as info:
+        down.get(1)
+    assert info.value.__cause__ is not None
+    codec = Codec(registry=down)
+    with pytest.raises(RegistryError):
+        codec.encode(_llm_event())
+    with pytest.raises(UnknownSchemaError):
+        codec.decode(b"\x00\x00\x00\x00\x01" + CODEC.encode(_llm_event())[10:])
+
+
+class _Answers:
+    """A SchemaRegistry (the codec's protocol) that answers ``get`` with whatever it holds."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+
+    def register(self, subject: str, schema_json: dict[str, Any]) -> int:
+        return 7
+
+    def get(self, schema_id: int) -> dict[str, Any]:
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [{"type": "string"}, {"nonsense": 1}, {"type": "record"}])
+def test_a_registry_answer_that_is_no_record_schema_is_an_unknown_schema(
+    answer: dict[str, Any],
+) -> None:
+    codec = Codec(registry=_Answers(answer))
+    raw = b"\x00\x00\x00\x00\x07" + CODEC.encode(_llm_event())[10:]
+    with pytest.raises(UnknownSchemaError):
+        codec.decode(raw)
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -667,9 +723,10 @@ def test_flat_writer_writes_the_bytes_encode_writes(
     assert backwards(*(values[f] for f in _FLAT_LLM[::-1])) == CODEC.encode(ev)
 
 
-def test_flat_writer_needs_every_field_once_and_falls_back_with_a_registry() -> None:
+def test_flat_writer_needs_every_field_once_and_falls_back_for_another_version() -> None:
     """A field left out, an unknown one or a field named twice fails where the writer is made;
-    a codec that frames for a schema registry has no flat writer (the caller encodes)."""
+    a codec that writes the record with another schema version has no flat writer (the caller
+    encodes records)."""
     with pytest.raises(TypeError, match=r"missing \['drift_tokens'\]"):
         CODEC.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM[:-1])
     with pytest.raises(TypeError, match=r"unknown \['nope'\]"):
@@ -679,5 +736,58 @@ def test_flat_writer_needs_every_field_once_and_falls_back_with_a_registry() -> 
     schema = CODEC.schemas.reader("rollstream.Event").json
     with pytest.raises(TypeError, match=r"has no branch 'rollstream\.Nope'"):
         compile_flat_writer(schema, _RECORD_CLASSES, body="rollstream.Nope", params=_FLAT_LLM)
-    registry = Codec(registry=RegistryClient("http://127.0.0.1:9"))
-    assert registry.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM) is None
+    old = Codec(writer_overrides={"rollstream.Event": load_schema("rollstream.Event")})
+    assert old.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM) is None
+
+
+def test_flat_writer_and_compiled_writer_frame_for_a_registry(registry_url: str) -> None:
+    """With a registry the compiled writers (the SDK's hot path included) write the registry
+    header: the bytes fastavro's path writes, and they decode."""
+    codec = Codec(registry=ConfluentRegistry(registry_url))
+    call = _llm_event().body
+    assert isinstance(call, LlmCall)
+    ev = Event("e", "r", 3, 2**40, call, "p")
+    values = {
+        **{f: getattr(ev, f) for f in ("event_id", "rollout_id", "seq", "ts", "producer")},
+        "schema_version": ev.schema_version,
+        **{f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name != "usage"},
+        **{f"usage_{f.name}": getattr(call.usage, f.name) for f in dataclasses.fields(Usage)},
+    }
+    write = codec.flat_writer("rollstream.Event", "rollstream.LlmCall", _FLAT_LLM)
+    assert write is not None
+    data = write(*(values[f] for f in _FLAT_LLM))
+    assert data[:1] == b"\x00"
+    assert data == codec.encode(ev) == codec.encode_dict("rollstream.Event", ev.to_avro())
+    assert Codec(registry=ConfluentRegistry(registry_url)).decode(data) == ev
+
+
+# --- a schema the compiled writer does not support: fastavro writes it ----------------------
+
+
+def _policy_version_with_a_scalar_union() -> dict[str, Any]:
+    """PolicyVersion whose checkpoint_uri is ``["long", "string"]``: valid Avro that fastavro
+    writes and reads, but a union of scalars, which the compiled writer and reader refuse."""
+    schema = load_schema("rollstream.PolicyVersion")
+    for f in schema["fields"]:
+        if f["name"] == "checkpoint_uri":
+            f["type"] = ["long", "string"]
+    return schema
+
+
+def test_encode_falls_back_to_fastavro_when_the_schema_does_not_compile() -> None:
+    schema = _policy_version_with_a_scalar_union()
+    with pytest.raises(TypeError, match="has no record class"):
+        compile_writer(schema, _RECORD_CLASSES)  # what the codec meets, and survives
+    others = [load_schema(n) for n in RECORD_TYPES if n != "rollstream.PolicyVersion"]
+    codec = Codec(SchemaSet([*others, schema]))
+    pv = PolicyVersion(3, "s3://ckpt/3", 120, 2**45, samples_trained=9, metrics={"loss": 0.25})
+    expect = io.BytesIO()
+    fastavro.schemaless_writer(expect, fastavro.parse_schema(copy.deepcopy(schema)), pv.to_avro())
+    fp = codec.schemas.reader("rollstream.PolicyVersion").fingerprint
+    for _ in range(2):  # the failed compile is remembered: the second record takes the same path
+        data = codec.encode(pv)
+        assert data == b"\xc3\x01" + fp + expect.getvalue()
+        assert data == codec.encode_dict("rollstream.PolicyVersion", pv.to_avro())
+        assert data != CODEC.encode(pv)  # the union's branch index: another schema indeed
+        assert codec.decode(data, expect=PolicyVersion) == pv
+    assert codec.decode(codec.encode(_llm_event())) == _llm_event()  # other types still compile
