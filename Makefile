@@ -7,6 +7,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The import contracts (pyproject's [tool.importlinter]): layers, no cycles, pure modules, light SDK.
+LINT_IMPORTS := $(VENV)/bin/lint-imports --no-cache --no-logo
 
 .PHONY: install kafka-jars test test-unit demo bench lint clean
 
@@ -28,7 +30,9 @@ kafka-jars: $(STAMP)
 # The test session starts the real Kafka broker itself (tests/conftest.py) and stops it.
 # pytest exit codes: 0 passed; 5 means no test ran, which is a failure here too.
 # On a failure the failed tests are listed last (.ci/failed_tests.py reads pytest's JUnit XML).
+# The import contracts are checked first: a broken one fails the target before pytest runs.
 test: kafka-jars
+	$(LINT_IMPORTS)
 	@mkdir -p .rollstream
 	@$(PY) -m pytest -q -p no:cacheprovider --junitxml=.rollstream/pytest-junit.xml $(PYTEST_ARGS); \
 	rc=$$?; \
@@ -49,7 +53,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy schemas adapters producers inference streams consumers infra
-	$(VENV)/bin/lint-imports
+	$(LINT_IMPORTS)
 
 clean:
 	-$(VENV)/bin/rollstream down
