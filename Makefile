@@ -10,21 +10,30 @@ PYTEST_ARGS ?=
 # The import contracts (pyproject's [tool.importlinter]): layers, no cycles, pure modules, light SDK.
 LINT_IMPORTS := $(VENV)/bin/lint-imports --no-cache --no-logo
 
-.PHONY: install kafka-jars test test-unit demo bench lint clean
+.PHONY: sysdeps install kafka-jars test test-unit demo bench lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 
-$(STAMP): pyproject.toml | $(VENV)/bin/python
-	@command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
-	@command -v mvn >/dev/null || (apt-get update && apt-get install -y maven)
+# System packages the tests and the demo need, installed when missing (Debian's apt, as root):
+# Java and Maven for the Kafka broker and the test registry, bubblewrap and docker.io (+ a static
+# busybox for the locally built sandbox image) for the rollout sandboxes.
+SYSPKGS := java:openjdk-17-jre-headless mvn:maven bwrap:bubblewrap dockerd:docker.io \
+           busybox:busybox-static
+
+sysdeps:
+	@missing=""; for pair in $(SYSPKGS); do cmd=$${pair%%:*}; pkg=$${pair#*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then apt-get update && apt-get install -y $$missing; fi
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python sysdeps
 	$(PY) -m pip install --quiet -e ".[all,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-kafka-jars: $(STAMP)
+kafka-jars: $(STAMP) sysdeps
 	$(PY) -c "from rollstream.infra.kafka import resolve_classpath; resolve_classpath()"
 
 # The test session starts the real Kafka broker itself (tests/conftest.py) and stops it.
