@@ -11,7 +11,10 @@ Processes (each its own interpreter, so the proxy is what is measured):
                  token ids
   our proxy      rollstream's proxy (uvicorn, one worker) in front of the fake backend; every
                  call is rendered, tokenized, recorded as an LlmCall (in-memory transport, or a
-                 real broker with --bootstrap) and answered
+                 real broker with --bootstrap) and answered; its hop to the backend uses
+                 --http-client (ProxySettings.proxy_http_client); with a list
+                 (http1,aiohttp,httpx) one proxy per client, measured side by side: the first
+                 is "proxy", the others "proxy_<client>"
   baseline       with --baseline-rev REV: the same proxy process built from that git revision
                  (git archive into a temp dir, put first on PYTHONPATH), measured in the same
                  run, so before/after compare under the same machine load
@@ -24,9 +27,15 @@ soon as its last answer came: saturation throughput and latency under it) and "p
 requests/s in total, below every target's capacity: the per-call overhead without queueing).
 Medians over rounds. added_* = proxied - direct, per percentile.
 
+The hop alone ("hop_<client>_*", each client of --http-client, every round): in this process,
+CompletionBackend.complete (the proxy's own per-call code: orjson, the client, the answer
+parsed) sends --hop-calls completions one after another to the fake backend; the median latency
+(us) and this process's CPU per call (us), and each client's ratio to the first one's.
+
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
         [--backend-ms 0] [--backend-server fake|reference]
+        [--http-client http1|aiohttp|httpx|http1,aiohttp,httpx] [--hop-calls 2000]
 """
 
 from __future__ import annotations
@@ -106,13 +115,24 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def serve_proxy(port: int, backend: str, model_path: str, bootstrap: str | None) -> None:
+def serve_proxy(
+    port: int, backend: str, model_path: str, bootstrap: str | None, http_client: str | None
+) -> None:
     import uvicorn
 
     from rollstream.producers import Recorder
-    from rollstream.producers.proxy.service import ProxySettings, create_app
+
+    try:
+        from rollstream.producers.proxy.app import ProxySettings, create_app
+    except ImportError:  # a --baseline-rev from before the service/app split
+        from rollstream.producers.proxy.service import (
+            ProxySettings,
+            create_app,
+        )
 
     kw: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
+    if http_client:
+        kw["proxy_http_client"] = http_client
     settings = ProxySettings(
         proxy_backends=[backend], proxy_model_path=Path(model_path), proxy_api_keys=[ADMIN],
         spool_dir=None, proxy_port=port, namespace=f"bench{os.getpid()}", **kw,
@@ -299,10 +319,33 @@ async def run_phase(streams: list[Stream], duration: float, rate: float | None) 
 
 
 def make_streams(target: str, port: int, rollouts: list[dict[str, Any]], n: int) -> list[Stream]:
-    if target in ("proxy", "baseline"):
+    if target.startswith("proxy") or target == "baseline":
         return [Stream("127.0.0.1", port, f"/rollouts/{r['rollout_id']}/v1/chat/completions",
                        r["token"], i) for i, r in enumerate(rollouts[:n])]  # fmt: skip
     return [Stream("127.0.0.1", port, "/v1/chat/completions", "sk-bench", i) for i in range(n)]
+
+
+async def hop(client: str, url: str, calls: int) -> tuple[float, float]:
+    """(median latency in us, this process's CPU in us per call) of ``calls`` completions sent
+    one after another by the proxy's own backend code over ``client``."""
+    import numpy as np
+
+    from rollstream.producers.proxy.pool import BackendPool
+
+    pool = BackendPool.from_urls([url], http_client=client, timeout_s=30, health_interval_s=0)
+    backend = pool.members[0].backend
+    prompt = np.arange(1, 301, dtype=np.uint32)  # a 300-token prompt
+    for _ in range(50):  # connections and caches warm
+        await backend.complete(prompt, max_tokens=16)
+    lat = []
+    cpu0 = time.process_time()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        await backend.complete(prompt, max_tokens=16)
+        lat.append(time.perf_counter() - t0)
+    cpu = (time.process_time() - cpu0) / calls
+    await pool.aclose()
+    return 1e6 * statistics.median(lat), 1e6 * cpu
 
 
 # --------------------------------------------------------------------------- main
@@ -356,6 +399,15 @@ def main() -> None:
                     help="fake backend time per call (0: instant); calls overlap")  # fmt: skip
     ap.add_argument("--baseline-rev", default=None,
                     help="also measure the proxy of this git revision (e.g. HEAD)")  # fmt: skip
+    ap.add_argument(
+        "--http-client",
+        default="http1",
+        help="the proxy's client of its backend hop: http1, aiohttp or httpx; a comma-separated "
+        "list measures one proxy per client side by side",
+    )
+    ap.add_argument(
+        "--hop-calls", type=int, default=None, help="calls per client and round (hop figures)"
+    )
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-proxy", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
@@ -365,7 +417,13 @@ def main() -> None:
         return serve_fake(args.serve_fake, [int(x) for x in args.reply_ids.split(",")],
                           args.backend_ms)  # fmt: skip
     if args.serve_proxy:
-        return serve_proxy(args.serve_proxy, args.backend, args.model_path, args.bootstrap)
+        return serve_proxy(
+            args.serve_proxy, args.backend, args.model_path, args.bootstrap, args.http_client
+        )
+    clients = [c.strip() for c in args.http_client.split(",") if c.strip()]
+    if not clients or not set(clients) <= {"http1", "aiohttp", "httpx"}:
+        ap.error("--http-client: http1, aiohttp or httpx, or a comma-separated list of them")
+    hop_calls = args.hop_calls or (300 if args.quick else 2000)
 
     duration = args.duration or (1.5 if args.quick else 10.0)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -391,10 +449,14 @@ def main() -> None:
             fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
                           ",".join(map(str, reply_ids)), "--backend-ms", str(args.backend_ms)],
                          work / "fake.log")  # fmt: skip
-        proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
-                       "--model-path", str(mpath)]
-                      + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
-                      work / "proxy.log")  # fmt: skip
+        ours: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # target -> (port, process)
+        for i, client in enumerate(clients):
+            target = "proxy" if i == 0 else f"proxy_{client}"
+            port = pport if i == 0 else free_port()
+            command = [*me, "--serve-proxy", str(port), "--backend", f"http://127.0.0.1:{fport}"]
+            command += ["--model-path", str(mpath), "--http-client", client]
+            command += ["--bootstrap", args.bootstrap] if args.bootstrap else []
+            ours[target] = port, spawn(command, work / f"{target}.log")
         base = None
         if args.baseline_rev:
             bport = free_port()
@@ -403,13 +465,15 @@ def main() -> None:
                           f"http://127.0.0.1:{fport}", "--model-path", str(mpath)]
                          + (["--bootstrap", args.bootstrap] if args.bootstrap else []),
                          work / "baseline.log", env)  # fmt: skip
-        procs = [p for p in (fake, proxy, base, lite) if p is not None]
+        procs = [p for p in (fake, *(p for _, p in ours.values()), base, lite) if p is not None]
         try:
             assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 120), "backend"
-            ok = wait_http(f"http://127.0.0.1:{pport}/health", proxy, 90)
-            assert ok, (work / "proxy.log").read_text()[-2000:]
-            targets = {"direct": fport, "proxy": pport}
-            pids = {"direct": [fake.pid], "proxy": [proxy.pid, fake.pid]}
+            targets = {"direct": fport}
+            pids = {"direct": [fake.pid]}
+            for target, (port, proc) in ours.items():
+                ok = wait_http(f"http://127.0.0.1:{port}/health", proc, 90)
+                assert ok, (work / f"{target}.log").read_text()[-2000:]
+                targets[target], pids[target] = port, [proc.pid, fake.pid]
             if base is not None:
                 ok = wait_http(f"http://127.0.0.1:{bport}/health", base, 90)
                 assert ok, (work / "baseline.log").read_text()[-2000:]
@@ -420,12 +484,14 @@ def main() -> None:
             rollouts = {t: [httpx.post(f"http://127.0.0.1:{targets[t]}/v1/rollouts", headers=admin,
                                        json={"task_id": f"b{i}", "group_id": "bench"}).json()
                             for i in range(args.streams)]
-                        for t in ("proxy", "baseline") if t in targets}  # fmt: skip
+                        for t in [*ours, "baseline"] if t in targets}  # fmt: skip
             if lite is not None:
                 pids["litellm"] = [lite.pid, fake.pid]
             results: dict[str, dict[str, list[dict[str, Any]]]] = {
                 t: {"closed": [], "paced": []} for t in targets
             }
+            hops: dict[str, list[tuple[float, float]]] = {c: [] for c in clients}
+            hop_on = args.backend_server == "fake"  # the real model: too slow to call alone
 
             async def measure() -> None:
                 try:
@@ -435,6 +501,9 @@ def main() -> None:
                 except ImportError:
                     pass
                 for _ in range(rounds):
+                    for client in clients if hop_on else ():
+                        url = f"http://127.0.0.1:{fport}"
+                        hops[client].append(await hop(client, url, hop_calls))
                     for target, port in list(targets.items()):
                         if target == "litellm" and not results[target]["closed"]:
                             url = f"http://127.0.0.1:{port}/health/liveliness"
@@ -494,6 +563,15 @@ def main() -> None:
             out[f"{target}_{mode}_throughput_ratio"] = round(
                 out[f"{target}_closed_rps"] / out["direct_closed_rps"], 3
             ) if mode == "closed" else None  # fmt: skip
+    if hops[clients[0]]:
+        out["hop_calls"] = hop_calls
+        for client in clients:
+            for i, key in enumerate(("p50_us", "cpu_us_per_call")):
+                out[f"hop_{client}_{key}"] = round(statistics.median(h[i] for h in hops[client]), 1)
+        for client in clients[1:]:
+            for key in ("p50_us", "cpu_us_per_call"):
+                ratio = out[f"hop_{client}_{key}"] / out[f"hop_{clients[0]}_{key}"]
+                out[f"hop_{client}_over_{clients[0]}_{key}"] = round(ratio, 2)
     out["proxy_events_submitted"] = status["delivery"]["submitted"]
     out["proxy_calls"] = status["stats"]["completed"]
     if lite is not None and "litellm" not in targets:
@@ -507,6 +585,9 @@ def main() -> None:
             p50, p99 = out[f"{target}_{mode}_p50_ms"], out[f"{target}_{mode}_p99_ms"]
             rps, cpu = out[f"{target}_{mode}_rps"], out[f"{target}_{mode}_cpu_ms_per_call"]
             print(f"{target:8} {mode:6} {p50:8.2f} {p99:8.2f} {rps:8.0f} {cpu:11.3f}")
+    for client in clients if "hop_calls" in out else ():
+        p50, cpu = out[f"hop_{client}_p50_us"], out[f"hop_{client}_cpu_us_per_call"]
+        print(f"hop {client:8} p50 {p50:8.1f} us  cpu {cpu:8.1f} us/call")
     print(json.dumps({k: v for k, v in out.items() if v is not None}))
 
 

@@ -14,10 +14,17 @@ token ids, ``return_token_ids=true`` (vLLM >= 0.10.2 answers ``choices[0].token_
   ``POST /resume``; the version is read with ``GET /weight_info``. vLLM's completions do not
   carry the version, so the adapter reports the last version it set or read.
 
-Errors::
+The per-call ``POST /v1/completions`` goes over one of three HTTP clients
+(``ProxySettings.proxy_http_client``): our lean HTTP/1.1 client (``lean=Http1Transport``, the
+default and the fastest), aiohttp's (``lean=AiohttpPost``) or httpx's own; every other request
+(health, versions, weight updates) goes through the httpx client ``http``.
 
-    BackendError                 root of rollstream.producers.proxy.backends
-    ├── BackendUnavailable       connection error, timeout or 5xx: try another backend later
+Errors (producers/errors.py), each a ProxyError under ProducerError; ``complete`` raises only
+these::
+
+    BackendError                 a backend call failed (.backend, .status)
+    ├── BackendUnavailable       connection error, timeout, 5xx or a malformed HTTP answer: the
+    │                            pool tries another backend
     ├── BackendRejected          4xx: this request is wrong; retrying it will not help
     └── BackendProtocolError     a 2xx answer without the fields we need
 """
@@ -34,6 +41,14 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from rollstream.producers.errors import (
+    BackendError,
+    BackendProtocolError,
+    BackendRejected,
+    BackendUnavailable,
+    Http1Error,
+    ProxyConfigError,
+)
 from rollstream.producers.proxy.http1 import Http1Transport
 
 try:
@@ -50,6 +65,7 @@ except ImportError:  # pragma: no cover - orjson is a dependency
     _loads = json.loads
 
 __all__ = [
+    "AiohttpPost",
     "BackendError",
     "BackendKind",
     "BackendProtocolError",
@@ -60,26 +76,6 @@ __all__ = [
 ]
 
 BackendKind = Literal["reference", "vllm"]
-
-
-class BackendError(Exception):
-    """Root of every error raised by rollstream.producers.proxy.backends."""
-
-    def __init__(self, message: str, *, backend: str = "", status: int | None = None) -> None:
-        super().__init__(f"[{backend}] {message}" if backend else message)
-        self.backend, self.status = backend, status
-
-
-class BackendUnavailable(BackendError):
-    """The backend could not be reached, timed out, or failed (5xx)."""
-
-
-class BackendRejected(BackendError):
-    """The backend refused the request (4xx); ``status`` and the server's message say why."""
-
-
-class BackendProtocolError(BackendError):
-    """The backend answered 2xx with a body we cannot use (no token ids, lengths differ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +118,67 @@ def _token_ids_from_logprobs(tokens: list[Any]) -> list[int]:
     return out
 
 
+class AiohttpPost:
+    """The per-call POST over aiohttp's client (``proxy_http_client="aiohttp"``): one
+    keep-alive session, made in the event loop of the first call. Needs ``aiohttp``."""
+
+    def __init__(self, *, max_connections: int = 512) -> None:
+        try:
+            import aiohttp
+        except ImportError as exc:
+            msg = "proxy_http_client=aiohttp needs aiohttp (pip install aiohttp)"
+            raise ProxyConfigError(msg) from exc
+        self._aiohttp = aiohttp
+        self._max_connections = max_connections
+        self._session: Any = None
+
+    async def post(
+        self, url: str, headers: dict[str, str], payload: bytes, timeouts: dict[str, Any]
+    ) -> tuple[int, bytes]:
+        """(status, body) of ``POST url``; BackendUnavailable when the exchange fails."""
+        aiohttp = self._aiohttp
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=timeouts.get("connect"), sock_read=timeouts.get("read")
+            )
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=timeout,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        try:
+            async with self._session.post(url, data=payload, headers=headers) as response:
+                return response.status, await response.read()
+        except TimeoutError as exc:
+            raise BackendUnavailable(f"timed out: {exc!r}") from exc
+        except aiohttp.ClientError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """POST /v1/completions of one base URL, ready for the lean clients."""
+
+    host: str
+    port: int
+    head: bytes  # the request head up to Content-Length (Http1Transport)
+    url: str
+    headers: dict[str, str]  # the same headers (AiohttpPost)
+    timeouts: dict[str, Any]
+
+
 class CompletionBackend:
     """Async client for one inference server. ``base_url`` is the server root
     (``http://host:port``; a trailing ``/v1`` is accepted). Pass ``http`` to share a client
     (it is then not closed by ``aclose``). Pass ``lean`` (the Http1Transport under that
-    client, or another one) and ``complete`` skips httpx: raw HTTP/1.1 over ``lean``'s pooled
-    connections, orjson both ways (http:// base URLs only; the caller closes ``lean``)."""
+    client, another one, or an AiohttpPost) and ``complete`` skips httpx: its POST goes over
+    ``lean``'s pooled connections, orjson both ways (http:// base URLs only; the caller closes
+    ``lean``)."""
 
     def __init__(
         self,
@@ -139,10 +190,10 @@ class CompletionBackend:
         model: str | None = None,
         timeout_s: float = 300.0,
         api_key: str | None = None,
-        lean: Http1Transport | None = None,
+        lean: Http1Transport | AiohttpPost | None = None,
     ) -> None:
         if kind not in ("reference", "vllm"):
-            raise ValueError(f"unknown backend kind {kind!r}")
+            raise ProxyConfigError(f"unknown backend kind {kind!r}")
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.name, self.kind, self.model = name, kind, model
         self._own_http = http is None
@@ -153,7 +204,7 @@ class CompletionBackend:
         self._lean_transport = lean
         self._api_key = api_key
         self._lean_url = ""  # the base_url _lean was made for (base_url may be reassigned)
-        self._lean: tuple[str, int, bytes, dict[str, Any]] | None = None
+        self._lean: _Target | None = None
 
     async def __aenter__(self) -> CompletionBackend:
         return self
@@ -237,34 +288,46 @@ class CompletionBackend:
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
 
-    def _lean_target(self) -> tuple[str, int, bytes, dict[str, Any]] | None:
-        """(host, port, request head up to Content-Length, timeouts) of POST /v1/completions
-        for the lean path; None for a base URL it does not serve (not http://)."""
+    def _lean_target(self) -> _Target | None:
+        """POST /v1/completions of the base URL for the lean path; None for a base URL it does
+        not serve (not http://)."""
         if self._lean_url != self.base_url:
             self._lean_url, self._lean = self.base_url, None
             url = urlsplit(self.base_url)
             if url.scheme == "http" and url.hostname:
                 t = self._http.timeout
                 timeouts = {"connect": t.connect, "read": t.read, "write": t.write, "pool": t.pool}
-                head = f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
-                head += "Accept: application/json\r\nContent-Type: application/json\r\n"
+                headers = {"Accept": "application/json", "Content-Type": "application/json"}
                 if self._api_key:
-                    head += f"Authorization: Bearer {self._api_key}\r\n"
-                self._lean = (url.hostname, url.port or 80, head.encode("latin-1"), timeouts)
+                    headers["Authorization"] = f"Bearer {self._api_key}"
+                lines = [f"POST {url.path}/v1/completions HTTP/1.1", f"Host: {url.netloc}"]
+                lines += [f"{k}: {v}" for k, v in headers.items()]
+                head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+                target = f"{self.base_url}/v1/completions"
+                port = url.port or 80
+                self._lean = _Target(url.hostname, port, head, target, headers, timeouts)
         return self._lean
 
     async def _post_lean(self, body: dict[str, Any]) -> Any:
         """POST /v1/completions without httpx; the same errors as ``_json``."""
-        assert self._lean is not None and self._lean_transport is not None
-        host, port, head, timeouts = self._lean
+        target, lean = self._lean, self._lean_transport
+        assert target is not None and lean is not None
         payload = _dumps(body)
         try:
-            status, _, content = await self._lean_transport.exchange(
-                host, port, head + b"Content-Length: %d\r\n\r\n" % len(payload), payload,
-                timeouts,
-            )  # fmt: skip
-        except httpx.TransportError as exc:  # connect, read, write, pool, timeout
-            raise BackendUnavailable(f"POST /v1/completions: {exc!r}", backend=self.name) from exc
+            if isinstance(lean, Http1Transport):
+                head = target.head + b"Content-Length: %d\r\n\r\n" % len(payload)
+                status, _, content = await lean.exchange(
+                    target.host, target.port, head, payload, target.timeouts
+                )
+            else:
+                status, content = await lean.post(
+                    target.url, target.headers, payload, target.timeouts
+                )
+        except Http1Error as exc:  # connect, read, write, pool, timeout, malformed answer
+            msg = f"POST /v1/completions: {exc.kind}: {exc}"
+            raise BackendUnavailable(msg, backend=self.name) from exc
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(f"POST /v1/completions: {exc}", backend=self.name) from exc
         if status >= 400:
             msg = f"POST /v1/completions: HTTP {status}: {_error_message(content)}"
             kind = BackendUnavailable if status >= 500 else BackendRejected

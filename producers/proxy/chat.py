@@ -51,31 +51,34 @@ Replies: generated IDs are decoded (special tokens skipped); with tools enabled,
 OpenAI tool call and is removed from the content (the tiny model's template renders tool calls
 back the same way).
 
-    ProducerError                    root of rollstream.producers (context.py)
-    └── ChatError                    root of the chat modules (chat_template.py)
-        ├── ChatTemplateError        the model directory has no usable tokenizer / chat template
-        └── ChatInputError           messages or tools that cannot be rendered (ValueError); .param
+The proxy's pipeline calls two steps here, each once per call: ``render_turn`` (step 2: normalize
+the messages and tools, render, splice in generated ids, count drift, find new tool results, turn
+stop strings into token ids) before the budget and the backend, and ``read_reply`` (decode the
+completion, parse tool calls, remember the reply) after it. ``render_text`` is step 2 of a text
+completion. The building blocks (``normalize_messages``, ``render_prompt``, ``parse_reply``...)
+stay public.
+
+Errors (producers/errors.py): ChatInputError (a ChatError and a ValueError) with ``param`` and
+``code`` for input that cannot be rendered; ChatTemplateError for a model without a template.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from rollstream.producers.proxy.chat_template import (
-    ChatError,
-    ChatInputError,
-    ChatTemplate,
-    ChatTemplateError,
-)
+from rollstream.producers.errors import ChatError, ChatInputError, ChatTemplateError
+from rollstream.producers.proxy.chat_template import ChatTemplate
+from rollstream.producers.proxy.messages import message_key, normalize_messages, normalize_tools
 from rollstream.producers.sdk.context import common_prefix
 
 __all__ = [
@@ -85,135 +88,25 @@ __all__ = [
     "ChatMemory",
     "ChatTemplate",
     "ChatTemplateError",
+    "ChatTurn",
     "RenderedPrompt",
+    "TextTurn",
     "ToolResult",
     "message_key",
     "normalize_messages",
     "normalize_tools",
     "parse_reply",
+    "read_reply",
     "render_prompt",
+    "render_text",
+    "render_turn",
+    "stop_token_ids",
     "tool_results",
 ]
 
 _U32 = np.dtype("<u4")
 Tokens = npt.NDArray[Any]
-ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-# --------------------------------------------------------------------------- input normalisation
-
-
-def _text_content(content: Any, param: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") == "text":
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise ChatInputError("a text part needs a string `text`", f"{param}[{i}].text")
-                parts.append(text)
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatInputError(f"content part type {kind!r} is not supported (text only)",
-                                     f"{param}[{i}]")  # fmt: skip
-        return "".join(parts)
-    raise ChatInputError("`content` must be a string, a list of text parts, or null", param)
-
-
-def _arguments(value: Any, param: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict | list):
-        return json.dumps(value, ensure_ascii=False)
-    raise ChatInputError("tool call `arguments` must be a JSON string or object", param)
-
-
-def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
-    if not isinstance(raw, list):
-        raise ChatInputError("`tool_calls` must be a list", param)
-    calls = []
-    for i, call in enumerate(raw):
-        p = f"{param}[{i}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ChatInputError("a tool call needs `function.name`", f"{p}.function.name")
-        calls.append({
-            "id": str(call.get("id") or ""),
-            "type": "function",
-            "function": {"name": fn["name"],
-                         "arguments": _arguments(fn.get("arguments", "{}"), f"{p}.function")},
-        })  # fmt: skip
-    return calls
-
-
-def normalize_messages(raw: Any) -> list[dict[str, Any]]:
-    """Validate OpenAI chat messages and bring them to the shape templates expect: content a
-    string (text parts joined) or None, ``developer`` as ``system``, tool call arguments as JSON
-    strings. Raises ChatInputError with ``param`` like ``messages[2].content``."""
-    if not isinstance(raw, list) or not raw:
-        raise ChatInputError("`messages` must be a non-empty list", "messages")
-    out = []
-    for i, msg in enumerate(raw):  # the param names are built only for errors (hot path)
-        if not isinstance(msg, dict):
-            raise ChatInputError("each message must be an object", f"messages[{i}]")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise ChatInputError(f"`role` must be one of {', '.join(ROLES)}", f"messages[{i}].role")
-        content = msg.get("content")
-        if content is not None and type(content) is not str:
-            content = _text_content(content, f"messages[{i}].content")
-        m: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-        if role == "assistant":
-            if msg.get("tool_calls"):
-                m["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
-        elif content is None:
-            raise ChatInputError("`content` is required", f"messages[{i}].content")
-        elif role == "tool":
-            m["tool_call_id"] = str(msg.get("tool_call_id") or "")
-        if "name" in msg and isinstance(msg["name"], str):
-            m["name"] = msg["name"]
-        out.append(m)
-    return out
-
-
-def normalize_tools(raw: Any) -> list[dict[str, Any]] | None:
-    """Validate the ``tools`` array (function tools only); None when absent or empty."""
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise ChatInputError("`tools` must be a list", "tools")
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ChatInputError("only function tools are supported", f"tools[{i}]")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise ChatInputError("a tool needs a `function` object", f"tools[{i}].function")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ChatInputError("a tool needs `function.name`", f"tools[{i}].function.name")
-    return raw
-
-
-def _canonical_arguments(arguments: str) -> str:
-    try:
-        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False)  # fmt: skip
-    except ValueError:
-        return arguments.strip()
-
-
-def message_key(content: str | None, tool_calls: Iterable[dict[str, Any]] | None = None) -> str:
-    """Canonical text of an assistant message: what identifies a reply when it comes back
-    (content stripped; tool calls as name + JSON arguments with sorted keys; ids ignored)."""
-    key = (content or "").strip()
-    for call in tool_calls or ():
-        fn = call.get("function", call)
-        key += f"\x1f{fn.get('name', '')}\x1e{_canonical_arguments(str(fn.get('arguments', '')))}"
-    return key
 
 
 # --------------------------------------------------------------------------- per-rollout memory
@@ -267,6 +160,13 @@ class ChatMemory:
         for call in reply.tool_calls:
             fn = call["function"]
             self.tool_calls[call["id"]] = (fn["name"], fn["arguments"], call_id)
+
+    def claim_tool_result(self, tool_call_id: str) -> bool:
+        """True the first time a tool result is reported (then it is recorded), else False."""
+        if tool_call_id in self.tool_results_seen:
+            return False
+        self.tool_results_seen.add(tool_call_id)
+        return True
 
     def lookup(self, position: int, key: str) -> _Generation | None:
         return self.by_key.get((position, key)) or self.by_text.get(key)
@@ -372,6 +272,7 @@ class AssistantReply:
     text: str  # decoded, special tokens skipped
     content: str | None
     tool_calls: list[dict[str, Any]]
+    token_texts: list[str] | None = None  # each generated token's text (read_reply, on demand)
 
     def message(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -414,8 +315,10 @@ def parse_reply(
     return AssistantReply(text, content or None, calls)
 
 
-def tool_results(memory: ChatMemory, messages: Sequence[dict[str, Any]]) -> list[ToolResult]:
-    """Tool messages answering tool calls this rollout's replies made, not reported before."""
+def _pending_tool_results(
+    memory: ChatMemory, messages: Sequence[dict[str, Any]]
+) -> list[ToolResult]:
+    """Tool messages answering tool calls this rollout's replies made, not reported yet."""
     out = []
     for msg in messages:
         if msg["role"] != "tool":
@@ -424,6 +327,118 @@ def tool_results(memory: ChatMemory, messages: Sequence[dict[str, Any]]) -> list
         ref = memory.tool_calls.get(tid)
         if ref is None or tid in memory.tool_results_seen:
             continue
-        memory.tool_results_seen.add(tid)
         out.append(ToolResult(tid, ref[0], ref[1], msg.get("content") or "", ref[2]))
     return out
+
+
+def tool_results(memory: ChatMemory, messages: Sequence[dict[str, Any]]) -> list[ToolResult]:
+    """Tool messages answering tool calls this rollout's replies made, not reported before
+    (each is reported once: ``memory.claim_tool_result``)."""
+    return [
+        tr
+        for tr in _pending_tool_results(memory, messages)
+        if memory.claim_tool_result(tr.tool_call_id)
+    ]
+
+
+# --------------------------------------------------------------------------- pipeline steps
+
+
+def stop_token_ids(chat: ChatTemplate, stop: Sequence[str]) -> list[int]:
+    """The token id of each stop string (the backends stop on token ids: one token each)."""
+    ids = [chat.encode(s) for s in stop]
+    if any(len(i) != 1 for i in ids):
+        msg = "`stop` strings must each be one token here (the backend stops on token ids)"
+        raise ChatInputError(msg, "stop", code="unsupported")
+    return [int(i[0]) for i in ids]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """A chat request rendered for one rollout: what the budget, the backend, the recorder and
+    ``read_reply`` need of it."""
+
+    prompt: RenderedPrompt
+    messages: int  # how many messages the request had: the position of its reply
+    tools_enabled: bool  # tools given and tool_choice not "none": parse tool calls in the reply
+    stop_token_ids: list[int]
+    tool_results: list[ToolResult]  # tool messages answering earlier replies, not recorded yet
+
+
+def render_turn(
+    chat: ChatTemplate,
+    memory: ChatMemory,
+    *,
+    messages: Any,
+    tools: Any = None,
+    tool_choice: Any = None,
+    add_generation_prompt: bool = True,
+    stop: Sequence[str] = (),
+) -> ChatTurn:
+    """Step 2 of a chat call: normalize the OpenAI ``messages`` and ``tools`` as sent, render
+    them into token ids with the generated ids of earlier replies spliced in (drift counted),
+    find the tool results that answer earlier replies, and turn ``stop`` into token ids.
+    Raises ChatInputError (``param``, ``code``) for input that cannot be rendered."""
+    msgs = normalize_messages(messages)
+    tool_list = normalize_tools(tools)
+    stop_ids = stop_token_ids(chat, stop)
+    try:
+        prompt = render_prompt(
+            chat, memory, msgs, tool_list, add_generation_prompt=add_generation_prompt
+        )
+    except ChatInputError as exc:
+        raise ChatInputError(str(exc), exc.param or "messages", code=exc.code) from exc
+    return ChatTurn(
+        prompt=prompt,
+        messages=len(msgs),
+        tools_enabled=tool_list is not None and tool_choice != "none",
+        stop_token_ids=stop_ids,
+        tool_results=_pending_tool_results(memory, msgs),
+    )
+
+
+def read_reply(
+    chat: ChatTemplate,
+    memory: ChatMemory,
+    turn: ChatTurn,
+    token_ids: Tokens,
+    call_id: str,
+    *,
+    stop_reason: int | None = None,
+    token_texts: bool = False,
+) -> AssistantReply:
+    """After the backend answered ``turn``: decode the generated ids into the assistant message
+    (tool calls parsed when the turn has tools; a stop token the request asked for is not part
+    of the text), remember them for the rollout's next turns, and with ``token_texts`` give each
+    token's text (for logprobs)."""
+    ids = token_ids
+    user_stop = stop_reason is not None and len(ids) > 0 and int(ids[-1]) == stop_reason
+    reply = parse_reply(chat, ids[:-1] if user_stop else ids, tools_enabled=turn.tools_enabled)
+    memory.remember(turn.messages, reply, ids, call_id)
+    if token_texts:
+        singles = [[t] for t in ids.tolist()]
+        texts = chat.tokenizer.decode_batch(singles, skip_special_tokens=False)
+        reply = dataclasses.replace(reply, token_texts=list(texts))
+    return reply
+
+
+@dataclass(frozen=True, slots=True)
+class TextTurn:
+    """A text completion's prompt as token ids, and its stop token ids."""
+
+    ids: Tokens
+    stop_token_ids: list[int]
+
+
+def render_text(chat: ChatTemplate, prompt: str | list[int], stop: Sequence[str] = ()) -> TextTurn:
+    """Step 2 of a text completion: a string prompt tokenized, or token ids checked against the
+    vocabulary (ChatInputError, param ``prompt``)."""
+    if isinstance(prompt, str):
+        ids = chat.encode(prompt)
+    else:
+        arr = np.asarray(prompt, dtype=np.int64)
+        vocab = chat.tokenizer.get_vocab_size(with_added_tokens=True)
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ChatInputError(f"token ids must be in [0, {vocab})", "prompt")
+        ids = arr.astype(np.uint32)
+    return TextTurn(ids, stop_token_ids(chat, stop))

@@ -6,10 +6,9 @@ The template is compiled once in a sandboxed Jinja environment configured like t
 ``{% generation %}`` tag) and the special tokens are passed as variables; the tokenizer is the
 model's ``tokenizer.json`` run by the ``tokenizers`` library. ``chat.py`` builds on it.
 
-    ProducerError                    root of rollstream.producers (context.py)
-    └── ChatError                    root of the chat modules
-        ├── ChatTemplateError        the model directory has no usable tokenizer / chat template
-        └── ChatInputError           messages or tools that cannot be rendered (ValueError); .param
+Errors (producers/errors.py): ChatTemplateError when the model directory has no usable
+tokenizer or chat template, ChatInputError when the template rejects the messages; both are
+ChatError, a ProxyError.
 """
 
 from __future__ import annotations
@@ -31,28 +30,12 @@ from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from rollstream.producers.sdk.context import ProducerError
+from rollstream.producers.errors import ChatError, ChatInputError, ChatTemplateError
 
 __all__ = ["ChatError", "ChatInputError", "ChatTemplate", "ChatTemplateError"]
 
 _U32 = np.dtype("<u4")
 Tokens = npt.NDArray[Any]
-
-
-class ChatError(ProducerError):
-    """Root of the chat rendering errors."""
-
-
-class ChatTemplateError(ChatError):
-    """No usable tokenizer or chat template in the model directory."""
-
-
-class ChatInputError(ChatError, ValueError):
-    """Messages or tools the template cannot render; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # --------------------------------------------------------------------------- template + tokenizer

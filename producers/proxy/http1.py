@@ -2,7 +2,9 @@
 
 httpx's default transport (httpcore) costs about a millisecond of CPU per request, which is most
 of what the proxy adds to a call. ``Http1Transport`` does the same job for plain-HTTP backends
-in a fraction of that. It is used two ways:
+in a fraction of that, and in about half the CPU per call of aiohttp's client
+(bench/bench_proxy.py --http-client http1,aiohttp,httpx; ``proxy_http_client`` picks the
+client). It is used two ways:
 
 - ``Http1Transport.exchange(...)``: raw bytes in, ``(status, headers, body)`` out, no httpx
   objects built at all. ``CompletionBackend.complete`` (the per-call hot path) uses this.
@@ -10,30 +12,43 @@ in a fraction of that. It is used two ways:
   for everything that is not per call (health, weight updates, pause/resume).
 
 Scope, on purpose: ``http://`` only (backends sit next to the proxy; anything else goes through
-httpcore), HTTP/1.1 with keep-alive, one request per connection at a time, ``Content-Length`` or
-chunked responses, no proxies, no HTTP/2.
+httpcore), HTTP/1.1 with keep-alive, one request per connection at a time, ``Content-Length``,
+chunked or connection-delimited responses, no proxies, no HTTP/2.
 
 Connections: an idle pool per (host, port), reused last-in first-out, at most
 ``max_connections`` open. A request sent on a reused connection that the server had already
 closed (EOF before any response byte) is retried once on a fresh connection: the server never
-read it. Errors are httpx's (ConnectError, ConnectTimeout, ReadError, ReadTimeout, WriteError,
-WriteTimeout, RemoteProtocolError, PoolTimeout) so callers handle both paths alike. Timeouts are
-a dict with the keys connect/read/write/pool (seconds or None), as httpx passes them in
-``request.extensions["timeout"]``.
+read it. Timeouts are a dict with the keys connect/read/write/pool (seconds or None), as httpx
+passes them in ``request.extensions["timeout"]``.
+
+Errors: ``exchange`` raises only ``Http1Error`` (producers/errors.py; a BackendUnavailable, so
+the pool fails over), whose ``kind`` is the httpx error it stands for: ConnectError,
+ConnectTimeout, ReadError, ReadTimeout, WriteError, WriteTimeout, PoolTimeout, and
+RemoteProtocolError for an answer that is not valid HTTP/1.1 (a bad status line, header line,
+Content-Length or chunk size, a body cut short). Under httpx the transport raises that httpx
+error instead, as httpcore would. tests/unit/test_http1.py checks both against httpx's own
+transport on the same well-formed and malformed answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Any
 
 import httpx
 
-__all__ = ["Http1Transport", "RawResponse"]
+from rollstream.producers.errors import Http1Error
+
+__all__ = ["Http1Error", "Http1Transport", "RawResponse"]
 
 _MAX_HEADER = 64 * 1024
 _NO_TIMEOUTS: dict[str, Any] = {}
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3})(?: [^\r\n]*)?")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name (RFC 9110 token)
+_DIGITS = re.compile(rb"[0-9]+")
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
 
 RawResponse = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
 
@@ -49,6 +64,14 @@ class _Conn:
             self.writer.close()
 
 
+class _Stale(Exception):  # control flow inside exchange only: never raised out of it
+    """A reused connection the server had closed: resend on a fresh one."""
+
+
+def _bad(message: str) -> Http1Error:
+    return Http1Error("RemoteProtocolError", message)
+
+
 class Http1Transport(httpx.AsyncBaseTransport):
     """``httpx.AsyncClient(transport=Http1Transport())`` (https URLs fall back to httpcore), or
     ``await transport.exchange(...)`` without httpx on the way."""
@@ -59,13 +82,19 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._fallback: httpx.AsyncHTTPTransport | None = None
 
     async def exchange(
-        self, host: str, port: int, head: bytes, body: bytes = b"",
-        timeouts: dict[str, Any] = _NO_TIMEOUTS, *, method: str = "POST",
-        request: httpx.Request | None = None,
-    ) -> RawResponse:  # fmt: skip
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: bytes = b"",
+        timeouts: dict[str, Any] = _NO_TIMEOUTS,
+        *,
+        method: str = "POST",
+    ) -> RawResponse:
         """Send ``head`` (a complete request head, Content-Length included when there is a
         body) and ``body`` to host:port over a pooled keep-alive connection; return the status,
-        the response headers (raw; Transfer-Encoding removed) and the whole body."""
+        the response headers (raw; Transfer-Encoding removed) and the whole body. Raises
+        Http1Error."""
         key = (host, port)
         slots = self._slots
         try:
@@ -75,21 +104,25 @@ class Http1Transport(httpx.AsyncBaseTransport):
             else:
                 await slots.acquire()
         except TimeoutError:
-            raise httpx.PoolTimeout("no free connection", request=request) from None
+            raise Http1Error("PoolTimeout", "no free connection") from None
         try:
             idle = self._idle.get(key)
             reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(key, timeouts, request)
+            conn = idle.pop() if idle else await self._connect(key, timeouts)
             try:
                 status, headers, content, keep = await self._exchange(
-                    conn, head, body, timeouts, request, reused, method
+                    conn, head, body, timeouts, reused, method
                 )
             except _Stale:
                 conn.close()
-                conn = await self._connect(key, timeouts, request)
-                status, headers, content, keep = await self._exchange(
-                    conn, head, body, timeouts, request, False, method
-                )
+                conn = await self._connect(key, timeouts)
+                try:
+                    status, headers, content, keep = await self._exchange(
+                        conn, head, body, timeouts, False, method
+                    )
+                except BaseException:
+                    conn.close()
+                    raise
             except BaseException:
                 conn.close()
                 raise
@@ -111,9 +144,12 @@ class Http1Transport(httpx.AsyncBaseTransport):
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         head, body = self._serialize(request, await request.aread())
-        status, headers, content = await self.exchange(
-            url.host, url.port or 80, head, body, timeouts, method=request.method, request=request
-        )
+        try:
+            status, headers, content = await self.exchange(
+                url.host, url.port or 80, head, body, timeouts, method=request.method
+            )
+        except Http1Error as exc:  # as httpcore would raise it
+            raise getattr(httpx, exc.kind)(str(exc), request=request) from exc
         return httpx.Response(status, headers=headers, content=content, request=request)
 
     @staticmethod
@@ -138,26 +174,25 @@ class Http1Transport(httpx.AsyncBaseTransport):
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), body
 
     @staticmethod
-    async def _connect(
-        key: tuple[str, int], timeouts: dict[str, Any], request: httpx.Request | None
-    ) -> _Conn:
+    async def _connect(key: tuple[str, int], timeouts: dict[str, Any]) -> _Conn:
         try:
             async with asyncio.timeout(timeouts.get("connect")):
                 reader, writer = await asyncio.open_connection(key[0], key[1], limit=_MAX_HEADER)
         except TimeoutError:
-            raise httpx.ConnectTimeout(
-                f"connect to {key[0]}:{key[1]} timed out", request=request
-            ) from None
+            raise Http1Error("ConnectTimeout", f"connect to {key[0]}:{key[1]} timed out") from None
         except OSError as exc:
-            raise httpx.ConnectError(
-                f"connect to {key[0]}:{key[1]}: {exc}", request=request
-            ) from exc
+            raise Http1Error("ConnectError", f"connect to {key[0]}:{key[1]}: {exc}") from exc
         return _Conn(reader, writer)
 
     async def _exchange(
-        self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, Any],
-        request: httpx.Request | None, reused: bool, method: str,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:  # fmt: skip
+        self,
+        conn: _Conn,
+        head: bytes,
+        body: bytes,
+        timeouts: dict[str, Any],
+        reused: bool,
+        method: str,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
         writer = conn.writer
         try:
             if len(body) < 65536:
@@ -169,78 +204,72 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 async with asyncio.timeout(timeouts.get("write")):
                     await writer.drain()
         except TimeoutError:
-            raise httpx.WriteTimeout("write timed out", request=request) from None
+            raise Http1Error("WriteTimeout", "write timed out") from None
         except OSError as exc:
             if reused:
                 raise _Stale from exc
-            raise httpx.WriteError(str(exc), request=request) from exc
+            raise Http1Error("WriteError", str(exc) or type(exc).__name__) from exc
         try:
             read = timeouts.get("read")
             if read is None:
-                return await self._read(conn.reader, request, method)
+                return await self._read(conn.reader, method, reused)
             async with asyncio.timeout(read):  # no extra task, unlike wait_for
-                return await self._read(conn.reader, request, method)
+                return await self._read(conn.reader, method, reused)
         except TimeoutError:
-            raise httpx.ReadTimeout("read timed out", request=request) from None
-        except asyncio.IncompleteReadError as exc:
-            if reused and not exc.partial and not getattr(exc, "started", False):
-                raise _Stale from exc
-            raise httpx.ReadError("connection closed by the server", request=request) from exc
+            raise Http1Error("ReadTimeout", "read timed out") from None
         except asyncio.LimitOverrunError as exc:
-            raise httpx.RemoteProtocolError("response head too large", request=request) from exc
+            raise _bad("response head or chunk line too long") from exc
         except (ConnectionError, OSError) as exc:
             if reused:
                 raise _Stale from exc
-            raise httpx.ReadError(str(exc), request=request) from exc
+            raise Http1Error("ReadError", str(exc) or type(exc).__name__) from exc
 
     @staticmethod
     async def _read(
-        reader: asyncio.StreamReader, request: httpx.Request | None, method: str
+        reader: asyncio.StreamReader, method: str, reused: bool
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
-        raw = await reader.readuntil(b"\r\n\r\n")
-        try:
-            status_line, *header_lines = raw[:-4].split(b"\r\n")
-            version, code, *_ = status_line.split(b" ", 2)
-            status = int(code)
-            headers = [
-                (name.strip(), value.strip())
-                for name, _, value in (line.partition(b":") for line in header_lines)
-            ]
-        except ValueError as exc:
-            raise httpx.RemoteProtocolError(
-                f"bad response head {raw[:80]!r}", request=request
-            ) from exc
-        keep = version == b"HTTP/1.1"
+        """One response: its head (informational 1xx answers skipped), then its body framed by
+        Content-Length, chunked encoding or the end of the connection."""
+        first = True
+        while True:
+            try:
+                raw = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                if first and reused and not exc.partial:
+                    raise _Stale from exc  # closed while idle: the server never read it
+                raise _bad("server disconnected without sending a complete response") from exc
+            first = False
+            status, headers = _parse_head(raw)
+            if not 100 <= status < 200 or status == 101:
+                break
+        version_11 = raw.startswith(b"HTTP/1.1")
+        keep = version_11
         length: int | None = None
         chunked = False
         for name, value in headers:
             low = name.lower()
             if low == b"content-length":
-                length = int(value)
+                length = _content_length(value, length)
             elif low == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
+                codings = [c.strip() for c in value.lower().split(b",")]
+                if codings[-1] != b"chunked":
+                    raise _bad(f"unsupported Transfer-Encoding {value[:40]!r}")
+                chunked = True
             elif low == b"connection":
-                keep = value.lower() != b"close"
+                tokens = {t.strip() for t in value.lower().split(b",")}
+                keep = b"keep-alive" in tokens if not version_11 else b"close" not in tokens
         try:
-            if chunked:
-                parts = []
-                while True:
-                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
-                    data = await reader.readexactly(size + 2)
-                    if size == 0:
-                        break
-                    parts.append(data[:-2])
-                content = b"".join(parts)
+            if status in (204, 304) or 100 <= status < 200 or method == "HEAD":
+                content = b""
+            elif chunked:
+                content = await _read_chunked(reader)
                 headers = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
             elif length is not None:
                 content = await reader.readexactly(length)
-            elif status in (204, 304) or 100 <= status < 200 or method == "HEAD":
-                content = b""
             else:  # delimited by the end of the connection
                 content, keep = await reader.read(), False
-        except asyncio.IncompleteReadError as exc:
-            exc.started = True  # type: ignore[attr-defined]  # the server did answer: not stale
-            raise
+        except asyncio.IncompleteReadError as exc:  # the server did answer: not stale
+            raise _bad("server closed the connection before the end of the body") from exc
         return status, headers, content, keep
 
     async def aclose(self) -> None:
@@ -252,5 +281,46 @@ class Http1Transport(httpx.AsyncBaseTransport):
             await self._fallback.aclose()
 
 
-class _Stale(Exception):
-    """A reused connection the server had closed: resend on a fresh one."""
+def _parse_head(raw: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """(status, headers) of a response head (``raw`` ends with the blank line)."""
+    status_line, *lines = raw[:-4].split(b"\r\n")
+    m = _STATUS_LINE.fullmatch(status_line)
+    if m is None:
+        raise _bad(f"bad status line {status_line[:80]!r}")
+    headers = []
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        if not colon or _TOKEN.fullmatch(name) is None:
+            raise _bad(f"bad header line {line[:80]!r}")
+        headers.append((name, value.strip()))
+    return int(m.group(1)), headers
+
+
+def _content_length(value: bytes, seen: int | None) -> int:
+    """A Content-Length value (``5`` or ``5, 5``), equal to any seen before."""
+    values = {v.strip() for v in value.split(b",")}
+    if len(values) != 1 or _DIGITS.fullmatch(next(iter(values))) is None:
+        raise _bad(f"bad Content-Length {value[:40]!r}")
+    length = int(values.pop())
+    if seen is not None and seen != length:
+        raise _bad("conflicting Content-Length headers")
+    return length
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        size_text = line[:-2].split(b";", 1)[0].strip()
+        if _HEX.fullmatch(size_text) is None:
+            raise _bad(f"bad chunk size {line[:40]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            break
+        data = await reader.readexactly(size + 2)
+        if data[-2:] != b"\r\n":
+            raise _bad("chunk data longer than its size")
+        parts.append(data[:-2])
+    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, up to the blank line
+        pass
+    return b"".join(parts)

@@ -1,29 +1,28 @@
-"""The OpenAI HTTP surface of the recording proxy: JSON bodies, error objects, request
-validation, response and SSE shapes, and the OpenAPI document (no state; used by proxy.py and
-rollout_api.py).
+"""The OpenAI HTTP surface of the recording proxy, with no HTTP framework and no state: request
+parsing (step 1 of a model call), answers (its last step) and error objects. The service
+(service.py) calls it; the ASGI app (app.py) only moves bytes. The OpenAPI document of the
+routes is openapi.py.
+
+    parse_chat_request(body) -> ChatRequest        validated options; messages left to chat.py
+    parse_text_request(body) -> TextRequest
+    chat_answer(...) / text_answer(...) -> Answer   JSON or the complete SSE sequence
+    error_answer(exc) -> Answer                     {"error": {message, type, param, code}}
 
 Errors are answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}`` with the
 HTTP status (400 invalid, 401 no or bad token, 403 another rollout's token, 404 unknown rollout,
 409 finished rollout, 413 body or token budget exceeded, 429 paused (Retry-After), 502 backend
-answered garbage, 503 no backend).
-
-    ProducerError                    root of rollstream.producers (context.py)
-    └── ProxyError                   root of the proxy's errors
-        └── ApiError                 an HTTP error answer: status, OpenAI error type/code, param
+answered garbage, 503 no backend). ApiError and its place in the tree: producers/errors.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from starlette.requests import Request
-from starlette.responses import Response
+import numpy as np
 
-from rollstream.producers.proxy.chat import AssistantReply, ChatTemplate
-from rollstream.producers.sdk.context import ProducerError
-from rollstream.schemas import RewardKind, RolloutStatus
+from rollstream.producers.errors import ApiError, ChatError, ChatInputError, ProxyError
 
 try:
     import orjson
@@ -43,66 +42,82 @@ except ImportError:  # pragma: no cover - orjson is optional
     JSONDecodeError = ValueError
 
 __all__ = [
+    "ERROR_TYPES",
     "FINISH_REASONS",
-    "OPENAPI",
+    "Answer",
     "ApiError",
     "CallParams",
+    "ChatRequest",
+    "HttpRequest",
     "ProxyError",
-    "bearer",
+    "TextRequest",
+    "as_api_error",
     "bearer_token",
+    "chat_answer",
     "chat_chunks",
     "dumps",
+    "error_answer",
     "error_body",
-    "error_response",
     "flag",
-    "json_response",
+    "json_answer",
     "loads",
     "number",
-    "parse_call",
+    "parse_chat_request",
     "parse_json",
-    "read_json",
-    "sse",
+    "parse_text_request",
     "sse_body",
+    "text_answer",
     "text_chunks",
     "too_large",
     "usage",
 ]
 
-_ERROR_TYPES = {
+# the OpenAI error type of each status an answer may have
+ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
     429: "rate_limit_error", 502: "backend_error", 503: "service_unavailable",
 }  # fmt: skip
 
 
-class ProxyError(ProducerError):
-    """Root of the recording proxy's errors."""
+# --------------------------------------------------------------------------- HTTP in and out
 
 
-class ApiError(ProxyError):
-    """An error answered to the client as ``{"error": {message, type, param, code}}``."""
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """What a route handler sees of an HTTP request, whatever server carries it: the bearer
+    token, the URL's path parameters and query, the base URL, and the body read on demand (so a
+    handler checks the token before the body is read: 401 comes before 413)."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers or {}
+    token: str | None
+    path: Mapping[str, str]
+    query: Mapping[str, str]
+    base_url: str
+    read_json: Callable[[], Awaitable[dict[str, Any]]]
+
+    async def json(self) -> dict[str, Any]:
+        """The body as a JSON object (413 past the body limit, 400 if not a JSON object)."""
+        return await self.read_json()
 
 
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(dumps(data), status, headers, media_type="application/json")
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An HTTP answer: a JSON body (``sse``: a complete server-sent-events body), its status
+    and extra headers."""
+
+    body: bytes
+    status: int = 200
+    sse: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def json_answer(data: Any, status: int = 200) -> Answer:
+    return Answer(dumps(data), status)
 
 
 def error_body(exc: ApiError) -> bytes:
     """The JSON error object of ``exc`` (its status and headers are the caller's to send)."""
-    kind = _ERROR_TYPES.get(
+    kind = ERROR_TYPES.get(
         exc.status, "server_error" if exc.status >= 500 else "invalid_request_error"
     )
     return dumps(
@@ -110,8 +125,21 @@ def error_body(exc: ApiError) -> bytes:
     )
 
 
-def error_response(exc: ApiError) -> Response:
-    return Response(error_body(exc), exc.status, exc.headers, media_type="application/json")
+def error_answer(exc: ApiError) -> Answer:
+    return Answer(error_body(exc), exc.status, headers=exc.headers)
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """The error answer for an exception a handler raised: ApiError as it is, a chat input
+    error as a 400 (its param and code), anything else a 500 with the reason (the caller logs
+    it), never a dropped connection."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ChatInputError):
+        return ApiError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, ChatError):
+        return ApiError(400, str(exc))
+    return ApiError(500, f"{type(exc).__name__}: {exc}", code="internal")
 
 
 def too_large(declared: str | bytes | None, limit: int) -> None:
@@ -131,28 +159,12 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object: 413 past ``limit`` bytes, 400 if not a JSON object."""
-    too_large(request.headers.get("content-length"), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return parse_json(b"".join(chunks))
-
-
 def bearer_token(value: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header value, else None."""
     if value is None:
         return None
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def bearer(request: Request) -> str | None:
-    return bearer_token(request.headers.get("authorization"))
 
 
 # --------------------------------------------------------------------------- requests
@@ -191,15 +203,36 @@ class CallParams:
     stream: bool
     include_usage: bool
     max_tokens: int | None  # None: the endpoint's default, capped by the room left
-    sampling: dict[str, Any]  # temperature, top_p, seed, stop_token_ids
+    sampling: dict[str, Any]  # temperature, top_p, seed
+    stop: tuple[str, ...]  # stop strings; the chat step turns them into token ids
     logprobs: bool
     return_token_ids: bool  # vLLM's extension: answer the prompt and completion token ids
 
 
-def parse_call(body: dict[str, Any], chat: ChatTemplate) -> CallParams:
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A /chat/completions request, options validated. ``messages`` and ``tools`` are as sent:
+    normalizing them is the chat step's (chat.py), with the template at hand."""
+
+    messages: Any
+    tools: Any
+    tool_choice: Any
+    add_generation_prompt: bool
+    params: CallParams
+
+
+@dataclass(frozen=True, slots=True)
+class TextRequest:
+    """A /completions request: one prompt, a non-empty string or a list of token ids."""
+
+    prompt: str | list[int]
+    params: CallParams
+
+
+def _call_params(body: dict[str, Any]) -> CallParams:
     """Sampling and output options shared by /chat/completions and /completions. Unsupported
-    options that would change the result (n > 1, penalties, top_logprobs, echo, multi-token
-    stop strings) are refused with 400 rather than ignored."""
+    options that would change the result (n > 1, penalties, top_logprobs, echo) are refused with
+    400 rather than ignored."""
     if number(body, "n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n", code="unsupported")
     for key in ("presence_penalty", "frequency_penalty"):
@@ -218,15 +251,12 @@ def parse_call(body: dict[str, Any], chat: ChatTemplate) -> CallParams:
     if body.get("seed") is not None:
         sampling["seed"] = number(body, "seed", None)
     stop = body.get("stop")
+    stops: tuple[str, ...] = ()
     if stop:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raw = [stop] if isinstance(stop, str) else stop
+        if not isinstance(raw, list) or not all(isinstance(s, str) and s for s in raw):
             raise ApiError(400, "`stop` must be a string or a list of strings", param="stop")
-        ids = [chat.encode(s) for s in stops]
-        if any(len(i) != 1 for i in ids):
-            msg = "`stop` strings must each be one token here (the backend stops on token ids)"
-            raise ApiError(400, msg, param="stop", code="unsupported")
-        sampling["stop_token_ids"] = [int(i[0]) for i in ids]
+        stops = tuple(raw)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "`stream_options` must be an object", param="stream_options")
@@ -235,14 +265,55 @@ def parse_call(body: dict[str, Any], chat: ChatTemplate) -> CallParams:
         include_usage=bool((opts or {}).get("include_usage")),
         max_tokens=max_tokens,
         sampling=sampling,
+        stop=stops,
         logprobs=bool(body.get("logprobs")),
         return_token_ids=flag(body, "return_token_ids"),
     )
 
 
-# --------------------------------------------------------------------------- responses
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Step 1 of a chat call: the request's options, validated (400 on a bad one)."""
+    params = _call_params(body)
+    return ChatRequest(
+        messages=body.get("messages"),
+        tools=body.get("tools"),
+        tool_choice=body.get("tool_choice"),
+        add_generation_prompt=flag(body, "add_generation_prompt", True),
+        params=params,
+    )
+
+
+def parse_text_request(body: dict[str, Any]) -> TextRequest:
+    """Step 1 of a text completion: the prompt (one) and the options, validated."""
+    raw: Any = body.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]  # a batch of one prompt
+    if not (isinstance(raw, str) and raw) and not (
+        isinstance(raw, list) and raw and all(type(t) is int for t in raw)
+    ):
+        msg = "`prompt` must be a non-empty string or list of token ids (one prompt)"
+        raise ApiError(400, msg, param="prompt")
+    return TextRequest(prompt=raw, params=_call_params(body))
+
+
+# --------------------------------------------------------------------------- answers
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class Generation(Protocol):
+    """What an answer reports of the backend's completion (backends.Completion is one)."""
+
+    @property
+    def token_ids(self) -> np.ndarray: ...
+    @property
+    def logprobs(self) -> np.ndarray: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def policy_version(self) -> int: ...
 
 
 def usage(prompt_len: int, completion_len: int) -> dict[str, int]:
@@ -255,19 +326,13 @@ def sse_body(chunks: list[dict[str, Any]]) -> bytes:
     return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
-def sse(chunks: list[dict[str, Any]]) -> Response:
-    """A complete server-sent-events answer (``sse_body``)."""
-    return Response(
-        sse_body(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
 def chat_chunks(
-    head: dict[str, Any], reply: AssistantReply, finish: str, use: dict[str, int] | None,
+    head: dict[str, Any], message: dict[str, Any], finish: str, use: dict[str, int] | None,
     logprobs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """chat.completion.chunk objects for a whole reply: role, content, tool calls, finish, and
-    the usage chunk when ``use`` is given (``stream_options.include_usage``)."""
+    """chat.completion.chunk objects for a whole reply (an assistant ``message``): role,
+    content, tool calls, finish, and the usage chunk when ``use`` is given
+    (``stream_options.include_usage``)."""
     base = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta: dict[str, Any], fin: str | None = None, lp: Any = None) -> dict[str, Any]:
@@ -275,10 +340,10 @@ def chat_chunks(
                                      "finish_reason": fin}]}  # fmt: skip
 
     chunks = [chunk({"role": "assistant", "content": ""})]
-    if reply.content:
-        chunks.append(chunk({"content": reply.content}, lp=logprobs))
-    if reply.tool_calls:
-        calls = [{"index": i, **tc} for i, tc in enumerate(reply.tool_calls)]
+    if message.get("content"):
+        chunks.append(chunk({"content": message["content"]}, lp=logprobs))
+    if message.get("tool_calls"):
+        calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
         chunks.append(chunk({"tool_calls": calls}))
     chunks.append(chunk({}, finish))
     if use is not None:
@@ -303,103 +368,86 @@ def text_chunks(
     return chunks
 
 
-# --------------------------------------------------------------------------- OpenAPI
-
-
-def _schema(required: str, **props: Any) -> dict[str, Any]:
-    return {"type": "object", "required": required.split(), "properties": props}
-
-
-_ANY: dict[str, Any] = {}
-_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
-_OBJ, _LIST = {"type": "object"}, {"type": "array", "items": {"type": "object"}}
-_CHAT = _schema(
-    "messages", model=_S, messages=_LIST, tools=_LIST, tool_choice=_ANY, stream=_B,
-    stream_options=_OBJ, max_tokens=_I, max_completion_tokens=_I, temperature=_N, top_p=_N,
-    seed=_I, n={"enum": [1]}, stop=_ANY, logprobs=_B, return_token_ids=_B,
-)  # fmt: skip
-_TEXT = _schema("prompt", model=_S, prompt=_ANY, stream=_B, max_tokens=_I, temperature=_N,
-                top_p=_N, seed=_I, return_token_ids=_B)  # fmt: skip
-_ROLLOUT = _schema(
-    "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_I, harness=_S, group_size=_I,
-    run_id=_S, sampling=_OBJ, metadata=_OBJ,
-)  # fmt: skip
-_REWARD = _schema("value", value=_N, kind={"enum": [k.value for k in RewardKind]}, name=_S,
-                  at_call_id=_S, evaluator=_S)  # fmt: skip
-_REWARDS = {"oneOf": [_REWARD, _schema("rewards", rewards={"type": "array", "items": _REWARD})]}
-_TOOL = _schema("name", name=_S, arguments=_ANY, result=_S, is_error=_B, duration_ms=_N,
-                sandbox=_S, at_call_id=_S, tool_call_id=_S)  # fmt: skip
-_FINISH = _schema("", status={"enum": [s.value for s in RolloutStatus]}, error=_S)
-_WEIGHTS = _schema("path version", path=_S, version=_I)
-_CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409", "401"
-
-# (path, method, summary, security, request body schema, error statuses)
-_ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
-    ("/rollouts/{rollout_id}/v1/chat/completions", "post", "chat completion, recorded",
-     "rolloutToken", _CHAT, _CALL),
-    ("/rollouts/{rollout_id}/v1/completions", "post", "text completion (text or token ids)",
-     "rolloutToken", _TEXT, _CALL),
-    ("/rollouts/{rollout_id}/v1/models", "get", "the served model", "rolloutToken", None, _ROLL),
-    ("/v1/chat/completions", "post", "chat completion; the token names the rollout",
-     "rolloutToken", _CHAT, _CALL),
-    ("/v1/completions", "post", "text completion; the token names the rollout", "rolloutToken",
-     _TEXT, _CALL),
-    ("/v1/models", "get", "the served model", None, None, ""),
-    ("/v1/rollouts", "post", "create a rollout -> base_url + token", "adminKey", _ROLLOUT,
-     "400 401 409"),
-    ("/v1/rollouts/{rollout_id}", "get", "rollout status", "rolloutToken", None, _ROLL),
-    ("/v1/rollouts/{rollout_id}/rewards", "post", "record rewards", "rolloutToken", _REWARDS,
-     _ROLL),
-    ("/v1/rollouts/{rollout_id}/tool_calls", "post", "record a tool call the harness ran",
-     "rolloutToken", _TOOL, _ROLL),
-    ("/v1/rollouts/{rollout_id}/finish", "post", "finish a rollout", "rolloutToken", _FINISH,
-     _ROLL),
-    ("/v1/admin/pause", "post", "hold new model calls (?drain=true also waits for in-flight)",
-     "adminKey", None, _ADMIN),
-    ("/v1/admin/drain", "post", "wait for in-flight calls (?timeout=seconds)", "adminKey", None,
-     _ADMIN),
-    ("/v1/admin/resume", "post", "serve again", "adminKey", None, _ADMIN),
-    ("/v1/admin/update_weights", "post", "pause, drain, reload every backend, resume",
-     "adminKey", _WEIGHTS, "400 401 503"),
-    ("/v1/admin/status", "get", "backends, pool and delivery counters", "adminKey", None, _ADMIN),
-    ("/health", "get", "liveness", None, None, ""),
-    ("/openapi.json", "get", "this document", None, None, ""),
-]  # fmt: skip
-
-
-def _openapi() -> dict[str, Any]:
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    paths: dict[str, Any] = {}
-    for path, method, summary, security, body, codes in _ROUTES:
-        op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "ok"}}}
-        for code in codes.split():
-            op["responses"][code] = {"description": _ERROR_TYPES[int(code)], **error}
-        if body is not None:
-            op["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": body}},
-            }
-        if security:
-            op["security"] = [{security: []}]
-        paths.setdefault(path, {})[method] = op
-    err_fields = {"message": _S, "type": _S, "param": {"type": ["string", "null"]},
-                  "code": {"type": ["string", "null"]}}  # fmt: skip
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "rollstream recording proxy", "version": "1"},
-        "paths": paths,
-        "components": {
-            "securitySchemes": {
-                "rolloutToken": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "rs1.<rollout_id>.<signature>",
-                },
-                "adminKey": {"type": "http", "scheme": "bearer"},
-            },
-            "schemas": {"Error": _schema("error", error=_schema("message type", **err_fields))},
-        },
+def _answer(
+    head: dict[str, Any],
+    choice: dict[str, Any],
+    use: dict[str, int],
+    params: CallParams,
+    prompt_ids: np.ndarray,
+    out: Generation,
+    call_id: str,
+    rollout_id: str,
+    **ext: Any,
+) -> Answer:
+    if params.return_token_ids:
+        choice["token_ids"] = out.token_ids.tolist()
+        choice["prompt_token_ids"] = prompt_ids.tolist()
+    ext |= {
+        "call_id": call_id,
+        "rollout_id": rollout_id,
+        "backend": out.backend,
+        "policy_version": out.policy_version,
     }
+    return Answer(dumps(head | {"choices": [choice], "usage": use, "rollstream": ext}))
 
 
-OPENAPI: dict[str, Any] = _openapi()
+def chat_answer(
+    params: CallParams,
+    *,
+    call_id: str,
+    created: int,
+    model: str,
+    rollout_id: str,
+    prompt_ids: np.ndarray,
+    out: Generation,
+    message: dict[str, Any],
+    token_texts: list[str] | None,
+    drift_tokens: int,
+) -> Answer:
+    """The last step of a chat call: the chat.completion object (or its SSE chunks) for the
+    assistant ``message`` decoded from ``out``; ``token_texts`` (one per generated token) when
+    logprobs were asked for."""
+    finish = FINISH_REASONS.get(out.finish_reason, "stop")
+    if message.get("tool_calls"):
+        finish = "tool_calls"
+    use = usage(len(prompt_ids), len(out.token_ids))
+    head = {"id": f"chatcmpl-{call_id}", "created": created, "model": model}
+    logprobs = None
+    if params.logprobs and token_texts is not None:
+        lps = out.logprobs.tolist()
+        content = [
+            {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(token_texts, lps, strict=True)
+        ]
+        logprobs = {"content": content}
+    if params.stream:
+        use_chunk = use if params.include_usage else None
+        return Answer(sse_body(chat_chunks(head, message, finish, use_chunk, logprobs)), sse=True)
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    head["object"] = "chat.completion"
+    return _answer(
+        head, choice, use, params, prompt_ids, out, call_id, rollout_id, drift_tokens=drift_tokens
+    )
+
+
+def text_answer(
+    params: CallParams,
+    *,
+    call_id: str,
+    created: int,
+    model: str,
+    rollout_id: str,
+    prompt_ids: np.ndarray,
+    out: Generation,
+    text: str,
+) -> Answer:
+    """The last step of a text completion: the text_completion object (or its SSE chunks)."""
+    finish = FINISH_REASONS.get(out.finish_reason, "stop")
+    use = usage(len(prompt_ids), len(out.token_ids))
+    head = {"id": f"cmpl-{call_id}", "object": "text_completion", "created": created}
+    head["model"] = model
+    if params.stream:
+        use_chunk = use if params.include_usage else None
+        return Answer(sse_body(text_chunks(head, text, finish, use_chunk)), sse=True)
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _answer(head, choice, use, params, prompt_ids, out, call_id, rollout_id)

@@ -21,10 +21,10 @@ Weight updates (``update_weights(path, version)``): pause (new calls wait at the
 flight), reload every healthy backend, resume. The same three steps are exposed separately for
 callers that reload the backends themselves.
 
-    ProducerError                    root of rollstream.producers (context.py)
-    └── PoolError                    root of this module
-        ├── PoolPaused               the pool stayed paused longer than the caller may wait
-        └── NoBackendAvailable       no healthy backend within backend_wait_s (.last_error)
+Errors (producers/errors.py): PoolError (a ProxyError), PoolPaused (the pool stayed paused
+longer than the caller may wait), NoBackendAvailable (no healthy backend within
+backend_wait_s; ``.last_error``). ``complete`` raises those, or the BackendError of a call that
+must not be retried (BackendRejected, BackendProtocolError).
 """
 
 from __future__ import annotations
@@ -38,20 +38,27 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
-from rollstream.producers.proxy.backends import (
+from rollstream.producers.errors import (
     BackendError,
-    BackendKind,
     BackendUnavailable,
+    NoBackendAvailable,
+    PoolError,
+    PoolPaused,
+    ProxyConfigError,
+)
+from rollstream.producers.proxy.backends import (
+    AiohttpPost,
+    BackendKind,
     Completion,
     CompletionBackend,
 )
 from rollstream.producers.proxy.http1 import Http1Transport
-from rollstream.producers.sdk.context import ProducerError
+from rollstream.producers.proxy.settings import HttpClient
 
 __all__ = [
     "BackendPool",
@@ -65,24 +72,8 @@ __all__ = [
 log = logging.getLogger("rollstream.producers.proxy.pool")
 
 
-class PoolError(ProducerError):
-    """Root of the backend pool's errors."""
-
-
-class PoolPaused(PoolError):
-    """The pool is paused (weight update) and stayed so longer than the caller may wait."""
-
-    def __init__(self, retry_after_s: float) -> None:
-        super().__init__(f"paused for a weight update; retry after {retry_after_s:g} s")
-        self.retry_after_s = retry_after_s
-
-
-class NoBackendAvailable(PoolError):
-    """No healthy backend answered within the wait; ``last_error`` is the last failure seen."""
-
-    def __init__(self, message: str, last_error: BackendError | None = None) -> None:
-        super().__init__(message)
-        self.last_error = last_error
+class _Closeable(Protocol):
+    async def aclose(self) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -135,7 +126,7 @@ class BackendPool:
         pause_wait_s: float = 60.0,
         retry_after_s: float = 2.0,
         drain_timeout_s: float = 600.0,
-        owned_clients: Sequence[httpx.AsyncClient] = (),
+        owned_clients: Sequence[_Closeable] = (),
     ) -> None:
         if not backends:
             raise PoolError("a backend pool needs at least one backend")
@@ -176,31 +167,41 @@ class BackendPool:
         api_key: str | None = None,
         timeout_s: float = 300.0,
         max_connections: int = 512,
-        lean_http: bool = True,
+        http_client: HttpClient = "http1",
         **kwargs: Any,
     ) -> BackendPool:
         """One CompletionBackend per URL (named by its URL), each with its own keep-alive
-        ``httpx.AsyncClient`` sized for many concurrent streams; ``lean_http`` puts the lean
-        HTTP/1.1 transport (http1.py) under it instead of httpcore, and completions go over that
-        transport without httpx."""
-        backends, clients = [], []
-        transport: Http1Transport | None = None
+        ``httpx.AsyncClient`` sized for many concurrent streams. ``http_client`` is the client
+        of the per-call POST (``ProxySettings.proxy_http_client``): ``http1`` puts the lean
+        HTTP/1.1 transport (http1.py) under the httpx client too, and completions go over it
+        without httpx; ``aiohttp`` sends completions with aiohttp's client; ``httpx`` sends
+        everything through httpx (httpcore)."""
+        if http_client not in ("http1", "aiohttp", "httpx"):
+            raise ProxyConfigError(f"unknown http_client {http_client!r}")
+        backends: list[CompletionBackend] = []
+        owned: list[_Closeable] = []
         for url in urls:
             timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
-            if lean_http:
-                transport = Http1Transport(max_connections=max_connections)
-                http = httpx.AsyncClient(timeout=timeout, transport=transport)
+            lean: Http1Transport | AiohttpPost | None = None
+            if http_client == "http1":
+                lean = Http1Transport(max_connections=max_connections)
+                http = httpx.AsyncClient(timeout=timeout, transport=lean)
             else:
                 limits = httpx.Limits(
                     max_connections=max_connections, max_keepalive_connections=max_connections
                 )
                 http = httpx.AsyncClient(timeout=timeout, limits=limits)
-            clients.append(http)
+                if http_client == "aiohttp":
+                    lean = AiohttpPost(max_connections=max_connections)
+                    owned.append(lean)
+            owned.append(http)
             name = url.rstrip("/").removesuffix("/v1")
-            lean = transport if lean_http else None
-            backends.append(CompletionBackend(url, name, kind=kind, http=http, model=model,
-                                              api_key=api_key, lean=lean))  # fmt: skip
-        return cls(backends, owned_clients=clients, **kwargs)
+            backends.append(
+                CompletionBackend(
+                    url, name, kind=kind, http=http, model=model, api_key=api_key, lean=lean
+                )
+            )
+        return cls(backends, owned_clients=owned, **kwargs)
 
     # --- lifecycle ---------------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ admin routes are open (local use) and a warning is logged at start. Secrets are 
 Every event goes through the SDK (``Recorder`` -> ``RolloutHandle``): ordered per rollout,
 spooled while Kafka is away, never lost by the proxy once accepted.
 
-Errors are ApiError (openai_wire.py), answered as OpenAI error objects.
+The handlers know no HTTP framework: each takes an ``HttpRequest`` (openai_wire.py) and returns
+an ``Answer``; app.py carries them over Starlette. Errors are ApiError (producers/errors.py),
+answered as OpenAI error objects.
 """
 
 from __future__ import annotations
@@ -33,19 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response
 from ulid import ULID
 
+from rollstream.producers.errors import ApiError, ProxyConfigError
 from rollstream.producers.proxy.chat import ChatMemory
-from rollstream.producers.proxy.openai_wire import (
-    ApiError,
-    ProxyError,
-    bearer,
-    dumps,
-    json_response,
-    read_json,
-)
+from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, dumps, json_answer
 from rollstream.producers.proxy.pool import BackendPool
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError, RolloutHandle
 from rollstream.schemas import RewardKind, RolloutStatus
@@ -62,7 +56,7 @@ class RolloutTokens:
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < 16:
-            raise ProxyError("the rollout token secret must be at least 16 bytes")
+            raise ProxyConfigError("the rollout token secret must be at least 16 bytes")
         self._secret = secret
         self._valid: dict[str, str] = {}  # tokens checked already -> their rollout id
 
@@ -107,10 +101,10 @@ class Auth:
         raw = token.encode()
         return any(hmac.compare_digest(raw, k) for k in self._admin)
 
-    def admin(self, request: Request) -> None:
+    def admin(self, token: str | None) -> None:
+        """Pass when ``token`` (the request's bearer token) is an admin key or no key is set."""
         if self.admin_open:
             return
-        token = bearer(request)
         if token is None:
             raise ApiError(
                 401, "missing admin API key (Authorization: Bearer ...)", code="unauthorized"
@@ -118,13 +112,9 @@ class Auth:
         if not self.is_admin(token):
             raise ApiError(401, "invalid admin API key", code="unauthorized")
 
-    def rollout(self, request: Request, rollout_id: str | None) -> str:
-        """The rollout this request may write: the URL's (checked against the token) or, on an
-        unscoped URL, the token's own."""
-        return self.rollout_of(bearer(request), rollout_id)
-
     def rollout_of(self, token: str | None, rollout_id: str | None) -> str:
-        """``rollout`` for a bearer token already taken from the request."""
+        """The rollout a request with this bearer token may write: the URL's ``rollout_id``
+        (checked against the token) or, on an unscoped URL, the token's own."""
         if token is None:
             raise ApiError(
                 401, "missing rollout token (Authorization: Bearer ...)", code="unauthorized"
@@ -253,16 +243,13 @@ def _opt_int(body: dict[str, Any], key: str, default: int | None) -> Any:
 class RolloutApi:
     """Handlers of the rollout routes, over a registry, tokens and admin keys."""
 
-    def __init__(
-        self, rollouts: Rollouts, auth: Auth, *, public_url: str | None, max_body: int
-    ) -> None:
+    def __init__(self, rollouts: Rollouts, auth: Auth, *, public_url: str | None) -> None:
         self.rollouts, self.auth = rollouts, auth
         self.public_url = public_url.rstrip("/") if public_url else None
-        self.max_body = max_body
 
-    async def create(self, request: Request) -> Response:
-        self.auth.admin(request)
-        body = await read_json(request, self.max_body)
+    async def create(self, request: HttpRequest) -> Answer:
+        self.auth.admin(request.token)
+        body = await request.json()
         task_id = body.get("task_id")
         if not isinstance(task_id, str) or not task_id:
             raise ApiError(400, "`task_id` is required (a non-empty string)", param="task_id")
@@ -282,27 +269,27 @@ class RolloutApi:
             sampling=sampling,
             metadata=_str_dict(body.get("metadata"), "metadata"),
         )
-        base = self.public_url or str(request.base_url).rstrip("/")
+        base = self.public_url or request.base_url.rstrip("/")
         rid = ro.rollout_id
-        return json_response({
+        return json_answer({
             "rollout_id": rid, "task_id": task_id, "group_id": ro.handle.group_id,
             "base_url": f"{base}/rollouts/{rid}/v1", "token": self.auth.tokens.issue(rid),
             "policy_version": ro.handle.policy_version,
         }, 201)  # fmt: skip
 
-    def _open(self, request: Request) -> OpenRollout:
-        rid = self.auth.rollout(request, request.path_params["rollout_id"])
+    def _open(self, request: HttpRequest) -> OpenRollout:
+        rid = self.auth.rollout_of(request.token, request.path["rollout_id"])
         return self.rollouts.get(rid)
 
-    async def get(self, request: Request) -> Response:
-        rid = self.auth.rollout(request, request.path_params["rollout_id"])
+    async def get(self, request: HttpRequest) -> Answer:
+        rid = self.auth.rollout_of(request.token, request.path["rollout_id"])
         ro = self.rollouts.open.get(rid)
         if ro is None:
             if rid in self.rollouts.finished:
-                return json_response({"rollout_id": rid, "status": self.rollouts.finished[rid]})
+                return json_answer({"rollout_id": rid, "status": self.rollouts.finished[rid]})
             raise ApiError(404, f"rollout {rid} not found", code="rollout_not_found")
         m = ro.memory
-        return json_response({
+        return json_answer({
             "rollout_id": rid, "status": "running", "task_id": ro.handle.task_id,
             "group_id": ro.handle.group_id, "events": ro.handle.seq, "calls": ro.calls,
             "errors": ro.errors, "backend": self.rollouts.pool.backend_of(rid),
@@ -310,11 +297,11 @@ class RolloutApi:
             "reused_replies": m.reused_replies,
         })  # fmt: skip
 
-    async def tool_calls(self, request: Request) -> Response:
+    async def tool_calls(self, request: HttpRequest) -> Answer:
         """A tool the harness ran: {name, arguments, result, is_error, duration_ms, sandbox,
         at_call_id, tool_call_id} (tool results sent as chat messages are recorded already)."""
         ro = self._open(request)
-        body = await read_json(request, self.max_body)
+        body = await request.json()
         name = body.get("name")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "`name` is required (a non-empty string)", param="name")
@@ -335,11 +322,11 @@ class RolloutApi:
             )  # fmt: skip
         except RecorderUsageError as exc:
             raise ApiError(409, str(exc), code="rollout_finished") from exc
-        return json_response({"rollout_id": ro.rollout_id, "tool_call_id": tid})
+        return json_answer({"rollout_id": ro.rollout_id, "tool_call_id": tid})
 
-    async def rewards(self, request: Request) -> Response:
+    async def rewards(self, request: HttpRequest) -> Answer:
         ro = self._open(request)
-        body = await read_json(request, self.max_body)
+        body = await request.json()
         items = body.get("rewards", [body])
         if not isinstance(items, list) or not items:
             raise ApiError(400, "`rewards` must be a non-empty list", param="rewards")
@@ -369,11 +356,11 @@ class RolloutApi:
                 )
             except RecorderUsageError as exc:
                 raise ApiError(409, str(exc), code="rollout_finished") from exc
-        return json_response({"rollout_id": ro.rollout_id, "recorded": len(ids), "event_ids": ids})
+        return json_answer({"rollout_id": ro.rollout_id, "recorded": len(ids), "event_ids": ids})
 
-    async def finish(self, request: Request) -> Response:
-        rid = self.auth.rollout(request, request.path_params["rollout_id"])
-        body = await read_json(request, self.max_body)
+    async def finish(self, request: HttpRequest) -> Answer:
+        rid = self.auth.rollout_of(request.token, request.path["rollout_id"])
+        body = await request.json()
         try:
             status = RolloutStatus(body.get("status", "completed"))
         except ValueError:
@@ -381,9 +368,9 @@ class RolloutApi:
             raise ApiError(400, f"`status` must be one of {kinds}", param="status") from None
         error = _opt_str(body, "error", None)
         if rid in self.rollouts.finished:
-            return json_response(
+            return json_answer(
                 {"rollout_id": rid, "status": self.rollouts.finished[rid], "finished": False}
             )
         self.rollouts.get(rid)  # 404 when unknown
         self.rollouts.finish(rid, status, error)
-        return json_response({"rollout_id": rid, "status": status.value, "finished": True})
+        return json_answer({"rollout_id": rid, "status": status.value, "finished": True})

@@ -92,7 +92,14 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, Final, Protocol, Self, runtime_checkable
 
-from rollstream.producers.errors import ProducerError
+from rollstream.producers.errors import (
+    SandboxError,
+    SandboxExecError,
+    SandboxFileError,
+    SandboxSpecError,
+    SandboxStateError,
+    SandboxUnavailable,
+)
 
 __all__ = [
     "LABEL_PREFIX",
@@ -120,37 +127,6 @@ __all__ = [
     "sandbox_relpath",
     "shell_argv",
 ]
-
-# --------------------------------------------------------------------------- errors
-
-
-class SandboxError(ProducerError):
-    """Root of the sandboxes' errors."""
-
-
-class SandboxSpecError(SandboxError, ValueError):
-    """A value out of bounds; ``field`` names it (``limits.memory``, ``labels.stage``, ``env``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-class SandboxUnavailable(SandboxError):
-    """This kind of sandbox cannot run here (a tool or daemon missing, namespaces disabled)."""
-
-
-class SandboxStateError(SandboxError):
-    """The sandbox was destroyed, or what backs it is gone."""
-
-
-class SandboxFileError(SandboxError):
-    """copy_in / copy_out failed: outside the workdir, missing, not a file, or too large."""
-
-
-class SandboxExecError(SandboxError):
-    """The command could not be started (a non-zero exit or a timeout is an ExecResult)."""
-
 
 # --------------------------------------------------------------------------- kinds
 

@@ -60,7 +60,7 @@ from pydantic import (
     model_validator,
 )
 
-from rollstream.producers.errors import ProducerError
+from rollstream.producers.errors import TaskSuiteError
 
 __all__ = [
     "BUILTIN_SUITES_DIR",
@@ -97,16 +97,6 @@ MAX_ERROR_CHARS = 300
 _ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 _PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _SUITE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-
-
-class TaskSuiteError(ProducerError, ValueError):
-    """A task or a suite that cannot be loaded; ``source`` names the file (and line) and
-    ``field`` the offending field, where known."""
-
-    def __init__(self, message: str, *, source: str = "", field: str = "") -> None:
-        where = ": ".join(part for part in (source, field) if part)
-        super().__init__(f"{where}: {message}" if where else message)
-        self.source, self.field = source, field
 
 
 # --------------------------------------------------------------------------- the model

@@ -35,8 +35,8 @@ block goes back at once). A rollout's tokens thus reuse memory the process alrea
 fresh memory for them, handed back to the OS at the end of every rollout, cost ~100 page faults
 (~160 us) per 20-call rollout of 2,000-token turns on this machine (docs/benchmarks.md).
 
-    ProducerError                    root of rollstream.producers (defined here, the lowest module)
-    └── ContextError                 a call id reused, or an unknown call asked for (ValueError)
+Errors (producers/errors.py): ContextError (a ProducerError and a ValueError) when a call id is
+reused or an unknown call is asked for.
 """
 
 from __future__ import annotations
@@ -48,20 +48,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from rollstream.producers.errors import ContextError, ProducerError
+
 __all__ = ["ContextError", "ContextMatch", "ContextTrie", "ProducerError", "common_prefix"]
 
 _U32 = np.dtype("<u4")
 _PROBE = 4096  # compare a short head first so an early mismatch in a long edge stays cheap
 
 Tokens = npt.NDArray[Any]
-
-
-class ProducerError(Exception):
-    """Root of every error raised by rollstream.producers."""
-
-
-class ContextError(ProducerError, ValueError):
-    """A call id was recorded twice, or a call id the trie does not know was asked for."""
 
 
 class ContextMatch(NamedTuple):

@@ -17,9 +17,8 @@ A ``with`` block left by an exception finishes the rollout as failed (``repr`` o
 KeyboardInterrupt/SystemExit: aborted) and the exception propagates. Misuse (logprobs that do
 not match the completion, an event after finish) raises RecorderUsageError at the call site.
 
-    ProducerError                    root of rollstream.producers (context.py)
-    └── RecorderError
-        └── RecorderUsageError       a call that cannot make a valid event (ValueError)
+Errors (producers/errors.py): RecorderError, the SDK's root under ProducerError, and
+RecorderUsageError (a ValueError too) for a call that cannot make a valid event.
 """
 
 from __future__ import annotations
@@ -27,26 +26,25 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import socket
 import threading
 import time
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
-from pydantic import Field
 
-from rollstream.producers.sdk.context import ContextMatch, ContextTrie, ProducerError
+from rollstream.adapters.codecs import build_codec
+from rollstream.producers.errors import RecorderError, RecorderUsageError, SpoolError
+from rollstream.producers.sdk.context import ContextMatch, ContextTrie
 from rollstream.producers.sdk.delivery import Delivery, DeliveryStats
 from rollstream.producers.sdk.ids import new_ulid as _ulid
-from rollstream.producers.sdk.spool import Spool, SpoolError
+from rollstream.producers.sdk.settings import RecorderSettings, kafka_producer_options
+from rollstream.producers.sdk.spool import Spool
 from rollstream.producers.sdk.transport import KafkaTransport, Transport
 from rollstream.schemas import (
     Branch,
     BranchKind,
     Codec,
-    CommonSettings,
     EncodeError,
     Event,
     LlmCall,
@@ -103,60 +101,6 @@ _SCHEMA_VERSION: int = Event.__dataclass_fields__["schema_version"].default
 _INTS = (int, np.integer)  # what a long field takes (numpy's ints too, as the encoder does)
 
 
-class RecorderError(ProducerError):
-    """Root of the SDK's errors."""
-
-
-class RecorderUsageError(RecorderError, ValueError):
-    """The harness asked for something that cannot become a valid event."""
-
-
-class RecorderSettings(CommonSettings):
-    """Settings of the harness SDK (ROLLSTREAM_ prefix, see docs/configuration.md)."""
-
-    producer: str = Field(default_factory=lambda: f"sdk@{socket.gethostname()}")  # Event.producer
-    queue_size: int = 10_000  # events held in memory before new ones go to the spool
-    spool_dir: Path | None = Path(".rollstream/spool")  # where events wait while Kafka is down
-    spool_fsync: Literal["always", "interval", "never"] = "interval"  # when the spool fsyncs
-    spool_fsync_interval_ms: int = 200  # with spool_fsync=interval
-    spool_segment_bytes: int = 64 << 20  # spool file size before the next segment
-    linger_ms: float = 5.0  # librdkafka linger.ms
-    batch_size: int = 1_000_000  # librdkafka batch.size (bytes)
-    # zstd: events are kept for good (replay) and token IDs compress well; the broker's CPU per
-    # event drops with its bytes; costs CPU in librdkafka's own threads (off the GIL)
-    compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "zstd"  # compression.type
-    message_timeout_ms: int = 300_000  # a message not acknowledged by then is spooled again
-    max_message_bytes: int = 16_000_000  # librdkafka message.max.bytes
-    client_buffer_kbytes: int = 262_144  # librdkafka queue.buffering.max.kbytes
-    degrade_after_s: float = 10.0  # nothing acknowledged this long: spool until Kafka is back
-    probe_interval_s: float = 1.0  # how often a degraded recorder checks for Kafka
-    close_timeout_s: float = 30.0  # close() delivers for this long, then spools the rest
-    max_tool_result_chars: int = 65_536  # longer tool results are cut (result_truncated)
-    producer_options: dict[str, str] = Field(default_factory=dict)  # extra librdkafka settings
-
-
-def kafka_producer_options(settings: RecorderSettings) -> dict[str, Any]:
-    """librdkafka producer settings for the SDK (idempotent, acks=all, generous timeout)."""
-    return {
-        "enable.idempotence": True,
-        "acks": "all",
-        "max.in.flight.requests.per.connection": 5,
-        "linger.ms": settings.linger_ms,
-        "batch.size": settings.batch_size,
-        "compression.type": settings.compression,
-        "message.timeout.ms": settings.message_timeout_ms,
-        "message.max.bytes": settings.max_message_bytes,
-        "queue.buffering.max.kbytes": settings.client_buffer_kbytes,
-        "queue.buffering.max.messages": max(100_000, settings.queue_size),
-        "reconnect.backoff.ms": 100,
-        "reconnect.backoff.max.ms": 1000,
-        "retry.backoff.ms": 100,
-        "retry.backoff.max.ms": 1000,
-        "client.id": settings.producer,
-        **settings.producer_options,
-    }
-
-
 _E = TypeVar("_E", bound=enum.Enum)
 
 
@@ -183,7 +127,7 @@ class Recorder:
         self.settings = settings or RecorderSettings()
         s = self.settings
         self.topic = s.topics().events
-        self.codec = codec or Codec()
+        self.codec = codec or build_codec(s)  # registry framing when a registry URL is set
         if transport is None:
             transport = KafkaTransport(s.kafka_config(), kafka_producer_options(s))
         spool = None

@@ -20,8 +20,8 @@ Durability follows the fsync policy: ``always`` (every write), ``interval`` (``s
 called by the delivery thread), ``never`` (the OS decides). Records flagged ``uncertain`` may
 already be in Kafka (their delivery was in doubt); the reader checks them before re-sending.
 
-    ProducerError
-    └── SpoolError                   the spool directory cannot be used (OSError wrapped)
+Errors (producers/errors.py): SpoolError, a ProducerError, when the spool directory cannot be
+used (the OSError wrapped).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollstream.producers.sdk.context import ProducerError
+from rollstream.producers.errors import SpoolError
 
 __all__ = [
     "FsyncPolicy",
@@ -61,10 +61,6 @@ _UNCERTAIN = 1
 _ID_BIAS = 1 << 40  # ids below the first segment (prepends) stay non-negative in file names
 _MAX_SLOTS = 256
 _CHUNK = 8 << 20
-
-
-class SpoolError(ProducerError):
-    """The spool directory cannot be created, locked, written or read."""
 
 
 def record_digest(topic: str, key: bytes, value: bytes) -> bytes:

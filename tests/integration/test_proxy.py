@@ -23,6 +23,7 @@ import openai
 import pytest
 import uvicorn
 from _kafka_read import read_topic
+from confluent_kafka import Producer
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,9 +31,20 @@ from starlette.routing import Route
 
 from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.producers import ContextTrie, Recorder
+from rollstream.producers.proxy.app import create_app
 from rollstream.producers.proxy.chat import ChatTemplate
-from rollstream.producers.proxy.service import ProxySettings, create_app
-from rollstream.schemas import Codec, CommonSettings, Event, LlmCall, RolloutError, ToolCall
+from rollstream.producers.proxy.policy_watch import PolicyWatcher
+from rollstream.producers.proxy.settings import ProxySettings
+from rollstream.schemas import (
+    Codec,
+    CommonSettings,
+    Event,
+    LlmCall,
+    PolicyVersion,
+    RolloutError,
+    ToolCall,
+)
+from rollstream.schemas.dlq import CODE_UNDECODABLE, HEADER_NAMES, read_headers
 
 pytestmark = pytest.mark.integration
 
@@ -70,8 +82,10 @@ def start_model_server(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "ROLLSTREAM_MODEL_PATH": str(model_dir),
            "ROLLSTREAM_MODEL_PORT": str(port), "ROLLSTREAM_MODEL_CREATE": "false"}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "rollstream.inference.server"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    cli = str(Path(sys.executable).with_name("rollstream"))  # `rollstream serve-model`
+    proc = subprocess.Popen(
+        [cli, "serve-model"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -580,3 +594,45 @@ def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model
     assert err.code == 503 and err.backend == burl and err.call_id
     assert [e.kind for e in events][-1] == "RolloutFinished"
     assert len(calls_of(events)) == 2
+
+
+def test_policy_watcher_dead_letters_an_undecodable_record(kafka_settings: CommonSettings) -> None:
+    """On the real broker: the watcher starts at the topic's last record, an undecodable one,
+    sends it unchanged to the DLQ topic with the shared headers, and applies the next
+    PolicyVersion."""
+    topics = kafka_settings.topics()
+    producer = Producer(kafka_settings.kafka_config())
+    producer.produce(topics.policy, key=b"bad", value=b"\x00not a policy version")
+    assert producer.flush(30) == 0
+    applied: list[tuple[str, int]] = []
+
+    async def apply(uri: str, version: int) -> None:
+        applied.append((uri, version))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def current() -> int:
+            return max((v for _, v in applied), default=0)
+
+        watcher = PolicyWatcher(kafka_settings, loop, apply, current, poll_s=0.1).start()
+        deadline = time.monotonic() + 60
+        while watcher.dead_letters == 0:
+            assert time.monotonic() < deadline, "no dead letter"
+            await asyncio.sleep(0.05)
+        pv = PolicyVersion(1, "file:///ckpt/1", 10, 1_735_689_600_000_000)
+        producer.produce(topics.policy, value=codec.encode(pv))
+        assert producer.flush(30) == 0
+        while not applied:
+            assert time.monotonic() < deadline, "the next version was not applied"
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(watcher.stop)
+
+    asyncio.run(main())
+    assert applied == [("file:///ckpt/1", 1)]
+    (dead,) = read_topic(kafka_settings, topics.dlq, 30)
+    assert (dead.key(), dead.value()) == (b"bad", b"\x00not a policy version")
+    headers = read_headers(dead.headers())
+    assert [name for name, _ in dead.headers()] == list(HEADER_NAMES)
+    assert (headers["stage"], headers["code"]) == ("policy_watcher", CODE_UNDECODABLE)
+    assert (headers["original_topic"], headers["original_offset"]) == (topics.policy, "0")

@@ -23,7 +23,10 @@ from rollstream.producers.proxy.chat import (
     normalize_messages,
     normalize_tools,
     parse_reply,
+    read_reply,
     render_prompt,
+    render_text,
+    render_turn,
     tool_results,
 )
 
@@ -186,6 +189,43 @@ def test_tool_call_round_trip(chat: ChatTemplate) -> None:
     assert tool_results(mem, msgs2) == []  # reported once
 
 
+def test_the_pipeline_steps_render_then_read_the_reply(chat: ChatTemplate) -> None:
+    """render_turn (step 2) and read_reply (after the backend): the same ids and tool calls as
+    the building blocks, tool results found but left for the recorder to claim, errors with the
+    param and code the proxy answers with."""
+    mem = ChatMemory()
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    turn = render_turn(chat, mem, messages=user, tools=TOOLS, stop=["\n"])
+    alone = render_prompt(chat, ChatMemory(), normalize_messages(user), TOOLS)
+    assert turn.prompt.ids.tolist() == alone.ids.tolist()
+    assert turn.tools_enabled and turn.messages == 1 and turn.tool_results == []
+    assert turn.stop_token_ids == chat.encode("\n").tolist()
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    gen = np.concatenate([chat.encode(text), eos(chat)])
+    reply = read_reply(chat, mem, turn, gen, "c1", token_texts=True)
+    (call,) = reply.tool_calls
+    assert reply.token_texts is not None and len(reply.token_texts) == len(gen)
+    back = [*user, reply.message(), {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]
+    turn2 = render_turn(chat, mem, messages=back, tools=TOOLS)
+    assert turn2.prompt.reused == 1 and [t.result for t in turn2.tool_results] == ["ok"]
+    assert render_turn(chat, mem, messages=back, tools=TOOLS).tool_results  # not claimed yet
+    assert mem.claim_tool_result(call["id"]) and not mem.claim_tool_result(call["id"])
+    assert render_turn(chat, mem, messages=back, tools=TOOLS).tool_results == []
+    none = render_turn(chat, mem, messages=back, tools=TOOLS, tool_choice="none")
+    assert not none.tools_enabled
+    with pytest.raises(ChatInputError) as err:
+        render_turn(chat, mem, messages=[{"role": "user"}])
+    assert (err.value.param, err.value.code) == ("messages[0].content", "invalid_value")
+    with pytest.raises(ChatInputError) as err:
+        render_turn(chat, mem, messages=user, stop=["two words"])
+    assert (err.value.param, err.value.code) == ("stop", "unsupported")
+    assert render_text(chat, "Hi there").ids.tolist() == chat.encode("Hi there").tolist()
+    assert render_text(chat, [1, 2]).ids.dtype == np.uint32
+    with pytest.raises(ChatInputError) as err:
+        render_text(chat, [1, 10**9])
+    assert err.value.param == "prompt"
+
+
 def test_parse_reply_keeps_invalid_blocks_as_text(chat: ChatTemplate) -> None:
     text = "let me see <tool_call>{not json}</tool_call>"
     reply = parse_reply(chat, chat.encode(text), tools_enabled=True)
@@ -239,6 +279,9 @@ def test_template_errors_are_input_errors(hf_tok: Any) -> None:
         chat.render(normalize_messages([{"role": "system", "content": "x"}]))
     with pytest.raises(ChatTemplateError):
         ChatTemplate(hf_tok.backend_tokenizer, "{% if %}")
+    with pytest.raises(ChatInputError) as err:  # as the pipeline step: the messages are at fault
+        render_turn(chat, ChatMemory(), messages=[{"role": "system", "content": "x"}])
+    assert (err.value.param, err.value.code) == ("messages", None)
 
 
 def test_from_dir(tmp_path: Path, hf_tok: Any) -> None:
@@ -331,11 +374,14 @@ def test_segment_cache_off_when_added_tokens_strip_spaces(hf_tok: Any) -> None:
     assert chat.encode(text).tolist() == tok.encode(text, add_special_tokens=False).ids
 
 
-def test_chat_module_is_pure() -> None:
-    """STYLE 1: chat.py imports no HTTP, Kafka or ClickHouse library."""
-    from rollstream.producers.proxy import chat as mod
+@pytest.mark.parametrize("name", ["chat", "messages", "chat_template", "openai_wire"])
+def test_chat_modules_are_pure(name: str) -> None:
+    """STYLE 1: the chat step (chat.py, messages.py, chat_template.py) and the wire format
+    (openai_wire.py) import no HTTP, Kafka or ClickHouse library."""
+    import importlib
 
-    tree = ast.parse(Path(mod.__file__).read_text())
+    mod = importlib.import_module(f"rollstream.producers.proxy.{name}")
+    tree = ast.parse(Path(str(mod.__file__)).read_text())
     roots = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

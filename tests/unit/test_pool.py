@@ -1,10 +1,12 @@
 """The backend pool (producers/proxy/pool.py) over real CompletionBackends whose HTTP edge is an
-in-process fake server (httpx.MockTransport): routing, failover, health, pause/drain/resume."""
+in-process fake server (httpx.MockTransport): routing, failover, health, pause/drain/resume; and
+the policy watcher that drives its weight updates, its Kafka edges in memory."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,7 +14,10 @@ import httpx
 import pytest
 
 from rollstream.producers.proxy.backends import BackendRejected, CompletionBackend
+from rollstream.producers.proxy.policy_watch import PolicyWatcher
 from rollstream.producers.proxy.pool import BackendPool, NoBackendAvailable, PoolError, PoolPaused
+from rollstream.schemas import Codec, CommonSettings, PolicyVersion
+from rollstream.schemas.dlq import CODE_UNDECODABLE, HEADER_NAMES, read_headers
 
 
 class FakeServer:
@@ -358,3 +363,105 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- the policy watcher
+
+
+class Message:
+    """A consumed record, as confluent-kafka's Message shows it."""
+
+    def __init__(self, value: bytes | None, key: bytes | None, offset: int) -> None:
+        self._value, self._key, self._offset = value, key, offset
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def topic(self) -> str:
+        return "policy.versions"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def error(self) -> None:
+        return None
+
+
+class ListConsumer:
+    """The consumer edge in memory: hands out its messages, then nothing."""
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages, self.closed = list(messages), False
+
+    def poll(self, timeout: float) -> Message | None:
+        if self.messages:
+            return self.messages.pop(0)
+        time.sleep(min(timeout, 0.01))
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ListProducer:
+    """The producer edge in memory: keeps what it is asked to send and acknowledges it."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self._pending: list[Any] = []
+
+    def produce(self, topic: str, **kw: Any) -> None:
+        self.sent.append({"topic": topic, **kw})
+        self._pending.append(kw["on_delivery"])
+
+    def flush(self, timeout: float) -> int:
+        while self._pending:
+            self._pending.pop(0)(None, None)
+        return 0
+
+
+def test_policy_watcher_applies_versions_and_dead_letters_undecodable_records() -> None:
+    settings = CommonSettings(namespace="unit")
+
+    async def main() -> None:
+        pool, (a, b) = make_pool(2)
+        await pool.start()
+        good = Codec().encode(PolicyVersion(2, "/ckpt/2", 20, 1_735_689_600_000_000))
+        consumer = ListConsumer([Message(b"not avro", b"k", 5), Message(good, None, 6)])
+        producer = ListProducer()
+        watcher = PolicyWatcher(
+            settings,
+            asyncio.get_running_loop(),
+            pool.update_weights,
+            lambda: pool.policy_version,
+            poll_s=0.01,
+            consumer=consumer,
+            producer=producer,
+        ).start()
+        while pool.policy_version != 2:  # the bad record came first: dead-lettered by now
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(watcher.stop)
+        assert consumer.closed and watcher.applied == [2] and watcher.dead_letters == 1
+        assert a.reloads == b.reloads == [("/ckpt/2", 2)]
+        (sent,) = producer.sent  # the bad record, unchanged, to the DLQ topic
+        dlq = settings.topics().dlq
+        assert (sent["topic"], sent["key"], sent["value"]) == (dlq, b"k", b"not avro")
+        assert [name for name, _ in sent["headers"]] == list(HEADER_NAMES)
+        headers = read_headers(sent["headers"])
+        assert headers["stage"] == "policy_watcher" and headers["code"] == CODE_UNDECODABLE
+        origin = (
+            headers["original_topic"],
+            headers["original_partition"],
+            headers["original_offset"],
+        )
+        assert origin == ("policy.versions", "0", "5")
+        assert headers["reason"] and headers["processor"].startswith("rollstream-proxy-policy-")
+        await pool.aclose()
+
+    run(main)

@@ -17,7 +17,7 @@ from ulid import ULID
 
 from rollstream.inference.tinymodel import CHAT_TEMPLATE, train_tokenizer
 from rollstream.producers import MemoryTransport, Recorder
-from rollstream.producers.proxy.app import _fast_route
+from rollstream.producers.proxy.app import ProxyApp, _fast_route, create_app
 from rollstream.producers.proxy.backends import (
     BackendRejected,
     BackendUnavailable,
@@ -27,7 +27,8 @@ from rollstream.producers.proxy.chat import ChatTemplate
 from rollstream.producers.proxy.http1 import Http1Transport
 from rollstream.producers.proxy.pool import BackendPool
 from rollstream.producers.proxy.rollout_api import RolloutTokens
-from rollstream.producers.proxy.service import ProxyApp, ProxySettings, create_app, new_ulid
+from rollstream.producers.proxy.service import new_ulid
+from rollstream.producers.proxy.settings import ProxySettings
 
 ADMIN = "unit-admin"
 
@@ -123,6 +124,10 @@ def test_raw_asgi_routes_answer_like_the_starlette_routes(chat: ChatTemplate) ->
             ("/rollouts/nope/v1/chat/completions", {"json": ok, "headers": admin}, 404),
             (f"/rollouts/{a['rollout_id']}/v1/completions",
              {"json": {"prompt": [1, 99999]}, "headers": auth}, 400),
+            (f"/rollouts/{a['rollout_id']}/v1/completions",
+             {"json": {"prompt": ""}, "headers": auth}, 400),
+            (chat_a, {"json": {**ok, "stop": ["two words"]}, "headers": auth}, 400),
+            (chat_a, {"json": {**ok, "tools": "nope"}, "headers": auth}, 400),
         ]  # fmt: skip
         for url, kw, status in cases:
             rf, rs = await fast.post(url, **kw), await slow.post(url, **kw)
@@ -299,3 +304,50 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def test_every_producers_exception_derives_from_producer_error() -> None:
+    """One error root (producers/errors.py): every exception class of the SDK and the proxy is a
+    ProducerError defined there and drawn in its tree, but for http1's private ``_Stale``,
+    which never leaves ``exchange``."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import rollstream.producers as root
+    from rollstream.producers import errors
+
+    found = {}
+    rooms = ("rollstream.producers.sdk", "rollstream.producers.proxy")  # and the package's own
+    for info in pkgutil.walk_packages(root.__path__, "rollstream.producers."):
+        if info.name.count(".") > 2 and not info.name.startswith(rooms):
+            continue
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            ours = inspect.isclass(obj) and obj.__module__.startswith("rollstream.producers")
+            if ours and issubclass(obj, BaseException):
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    private = {"rollstream.producers.proxy.http1._Stale"}
+    assert private <= set(found)
+    assert {n for n, c in found.items() if not issubclass(c, errors.ProducerError)} == private
+    public = {n for n in found if n not in private}
+    classes = [n for n in errors.__all__ if inspect.isclass(getattr(errors, n))]
+    assert public == {f"rollstream.producers.errors.{n}" for n in classes}
+    for name in errors.__all__:  # the tree in the docstring names every class
+        assert name in (errors.__doc__ or "") or name == "Http1ErrorKind", name
+
+
+def test_the_service_knows_no_http_framework() -> None:
+    """service.py runs without Starlette or uvicorn; only app.py imports them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rollstream.producers.proxy.service\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

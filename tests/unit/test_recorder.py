@@ -604,3 +604,23 @@ def test_llm_call_ids_and_bytes_on_both_encode_paths(tmp_path: Path, flat: bool)
         "mine", first, 5, [9], [8], [-1.0], "stop", "", "b", 4, 0.0, Usage(6, 1, 3), 2
     )
     assert a.producer == b.producer == "unit-test" and a.schema_version == b.schema_version == 1
+
+
+def test_the_sdk_import_path_stays_light() -> None:
+    """``import rollstream.producers`` (the Recorder) loads none of the proxy's libraries."""
+    heavy = ["httpx", "starlette", "orjson", "tokenizers", "jinja2", "ulid", "uvicorn"]
+    code = (
+        "import sys, rollstream.producers\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {set(heavy)!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_recorder_builds_its_codec_from_its_settings() -> None:
+    settings = RecorderSettings(spool_dir=None, namespace=NS)
+    with Recorder(settings, transport=MemoryTransport()) as recorder:
+        assert isinstance(recorder.codec, Codec) and recorder.codec.registry is None
+    codec = Codec()
+    with Recorder(settings, transport=MemoryTransport(), codec=codec) as recorder:
+        assert recorder.codec is codec

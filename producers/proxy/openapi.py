@@ -1,0 +1,110 @@
+"""The OpenAPI 3.1 document of the recording proxy (``GET /openapi.json``): every route, its
+request body schema, its security (a rollout token or an admin key) and its error answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollstream.producers.proxy.openai_wire import ERROR_TYPES
+from rollstream.schemas import RewardKind, RolloutStatus
+
+__all__ = ["OPENAPI"]
+
+
+def _schema(required: str, **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required.split(), "properties": props}
+
+
+_ANY: dict[str, Any] = {}
+_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+_OBJ, _LIST = {"type": "object"}, {"type": "array", "items": {"type": "object"}}
+_CHAT = _schema(
+    "messages", model=_S, messages=_LIST, tools=_LIST, tool_choice=_ANY, stream=_B,
+    stream_options=_OBJ, max_tokens=_I, max_completion_tokens=_I, temperature=_N, top_p=_N,
+    seed=_I, n={"enum": [1]}, stop=_ANY, logprobs=_B, return_token_ids=_B,
+)  # fmt: skip
+_TEXT = _schema("prompt", model=_S, prompt=_ANY, stream=_B, max_tokens=_I, temperature=_N,
+                top_p=_N, seed=_I, return_token_ids=_B)  # fmt: skip
+_ROLLOUT = _schema(
+    "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_I, harness=_S, group_size=_I,
+    run_id=_S, sampling=_OBJ, metadata=_OBJ,
+)  # fmt: skip
+_REWARD = _schema("value", value=_N, kind={"enum": [k.value for k in RewardKind]}, name=_S,
+                  at_call_id=_S, evaluator=_S)  # fmt: skip
+_REWARDS = {"oneOf": [_REWARD, _schema("rewards", rewards={"type": "array", "items": _REWARD})]}
+_TOOL = _schema("name", name=_S, arguments=_ANY, result=_S, is_error=_B, duration_ms=_N,
+                sandbox=_S, at_call_id=_S, tool_call_id=_S)  # fmt: skip
+_FINISH = _schema("", status={"enum": [s.value for s in RolloutStatus]}, error=_S)
+_WEIGHTS = _schema("path version", path=_S, version=_I)
+_CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409", "401"
+
+# (path, method, summary, security, request body schema, error statuses)
+_ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
+    ("/rollouts/{rollout_id}/v1/chat/completions", "post", "chat completion, recorded",
+     "rolloutToken", _CHAT, _CALL),
+    ("/rollouts/{rollout_id}/v1/completions", "post", "text completion (text or token ids)",
+     "rolloutToken", _TEXT, _CALL),
+    ("/rollouts/{rollout_id}/v1/models", "get", "the served model", "rolloutToken", None, _ROLL),
+    ("/v1/chat/completions", "post", "chat completion; the token names the rollout",
+     "rolloutToken", _CHAT, _CALL),
+    ("/v1/completions", "post", "text completion; the token names the rollout", "rolloutToken",
+     _TEXT, _CALL),
+    ("/v1/models", "get", "the served model", None, None, ""),
+    ("/v1/rollouts", "post", "create a rollout -> base_url + token", "adminKey", _ROLLOUT,
+     "400 401 409"),
+    ("/v1/rollouts/{rollout_id}", "get", "rollout status", "rolloutToken", None, _ROLL),
+    ("/v1/rollouts/{rollout_id}/rewards", "post", "record rewards", "rolloutToken", _REWARDS,
+     _ROLL),
+    ("/v1/rollouts/{rollout_id}/tool_calls", "post", "record a tool call the harness ran",
+     "rolloutToken", _TOOL, _ROLL),
+    ("/v1/rollouts/{rollout_id}/finish", "post", "finish a rollout", "rolloutToken", _FINISH,
+     _ROLL),
+    ("/v1/admin/pause", "post", "hold new model calls (?drain=true also waits for in-flight)",
+     "adminKey", None, _ADMIN),
+    ("/v1/admin/drain", "post", "wait for in-flight calls (?timeout=seconds)", "adminKey", None,
+     _ADMIN),
+    ("/v1/admin/resume", "post", "serve again", "adminKey", None, _ADMIN),
+    ("/v1/admin/update_weights", "post", "pause, drain, reload every backend, resume",
+     "adminKey", _WEIGHTS, "400 401 503"),
+    ("/v1/admin/status", "get", "backends, pool and delivery counters", "adminKey", None, _ADMIN),
+    ("/health", "get", "liveness", None, None, ""),
+    ("/openapi.json", "get", "this document", None, None, ""),
+]  # fmt: skip
+
+
+def _openapi() -> dict[str, Any]:
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    paths: dict[str, Any] = {}
+    for path, method, summary, security, body, codes in _ROUTES:
+        op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "ok"}}}
+        for code in codes.split():
+            op["responses"][code] = {"description": ERROR_TYPES[int(code)], **error}
+        if body is not None:
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": body}},
+            }
+        if security:
+            op["security"] = [{security: []}]
+        paths.setdefault(path, {})[method] = op
+    err_fields = {"message": _S, "type": _S, "param": {"type": ["string", "null"]},
+                  "code": {"type": ["string", "null"]}}  # fmt: skip
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "rollstream recording proxy", "version": "1"},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {
+                "rolloutToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "rs1.<rollout_id>.<signature>",
+                },
+                "adminKey": {"type": "http", "scheme": "bearer"},
+            },
+            "schemas": {"Error": _schema("error", error=_schema("message type", **err_fields))},
+        },
+    }
+
+
+OPENAPI: dict[str, Any] = _openapi()

@@ -1,0 +1,72 @@
+"""Settings of the recording proxy (``ProxySettings``: ROLLSTREAM_PROXY_*, and the recorder's
+ROLLSTREAM_* too; documented in docs/configuration.md). Built by ``rollstream proxy`` and passed
+down; nothing else in the proxy reads the environment."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import NoDecode
+
+from rollstream.producers.sdk.settings import RecorderSettings
+
+__all__ = ["HttpClient", "ProxySettings"]
+
+# The HTTP client of the per-call hop to the backends (bench/bench_proxy.py --http-client).
+HttpClient = Literal["http1", "aiohttp", "httpx"]
+
+
+def _split_list(value: Any) -> Any:
+    """``a,b`` or a JSON list (environment) or a list (code) -> list."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [v.strip() for v in text.split(",") if v.strip()]
+    return value
+
+
+class ProxySettings(RecorderSettings):
+    """Settings of the recording proxy (ROLLSTREAM_PROXY_*; the recorder's ROLLSTREAM_* too).
+    List settings accept a JSON list or a comma-separated string."""
+
+    producer: str = Field(default_factory=lambda: f"proxy@{socket.gethostname()}")
+    spool_dir: Path | None = Path(".rollstream/spool-proxy")
+    proxy_host: str = "127.0.0.1"
+    proxy_port: int = 8200
+    proxy_backends: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8100"]
+    )
+    proxy_backend_kind: Literal["reference", "vllm"] = "reference"
+    proxy_backend_model: str | None = None  # the model name sent to the backends
+    proxy_backend_api_key: SecretStr | None = None
+    proxy_backend_timeout_s: float = 300.0
+    # http1: our lean HTTP/1.1 client, the fastest per call (bench/bench_proxy.py
+    # --http-client http1,aiohttp,httpx); aiohttp needs `pip install aiohttp`; https://
+    # backends always go through httpx
+    proxy_http_client: HttpClient = "http1"  # client of each call to a backend: http1|aiohttp|httpx
+    proxy_model_path: Path | None = None  # tokenizer + chat template; default <home>/models/tiny
+    proxy_model_name: str = "rollstream-tiny"  # the id /v1/models shows
+    proxy_max_model_len: int | None = None  # default: the model's max_position_embeddings
+    proxy_max_prompt_tokens: int | None = None  # default: max_model_len
+    proxy_default_max_tokens: int = 1024  # chat calls without max_tokens (capped by the room)
+    proxy_max_body_bytes: int = 8 * 1024 * 1024
+    proxy_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    proxy_token_secret: SecretStr | None = None  # HMAC key of rollout tokens; None: random
+    proxy_public_url: str | None = None  # base of the base_url handed out; default: request's
+    proxy_pause_wait_s: float = 60.0  # a paused call waits this long, then gets 429
+    proxy_retry_after_s: float = 2.0
+    proxy_backend_wait_s: float = 30.0  # how long a call waits for a healthy backend
+    proxy_health_interval_s: float = 2.0
+    proxy_rollout_idle_s: float = 3600.0  # rollouts idle this long are finished (timeout)
+    proxy_log_level: str = "warning"
+    proxy_follow_policy: bool = False  # consume policy.versions: pause, drain, reload, resume
+
+    _lists = field_validator("proxy_backends", "proxy_api_keys", mode="before")(_split_list)
+
+    def resolved_model_path(self) -> Path:
+        return self.proxy_model_path or self.home / "models" / "tiny"
