@@ -32,7 +32,8 @@ import numpy as np
 from rollstream.consumers.analytics import reports
 from rollstream.consumers.store import chstore
 from rollstream.consumers.store.migrations import apply_migrations
-from rollstream.consumers.store.rows import COLUMNS, RowBatch
+from rollstream.consumers.store.rows import RowBatch
+from rollstream.consumers.store.tables import COLUMNS
 from rollstream.schemas import (
     Branch,
     Event,

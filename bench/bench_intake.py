@@ -39,7 +39,7 @@ from rollstream.adapters.topics import ensure_topics
 from rollstream.consumers.training.batching import TokenBudgetBatcher, collate
 from rollstream.consumers.training.dataset import SampleSource
 from rollstream.consumers.training.ppo import LossConfig
-from rollstream.consumers.training.trainer import train_step
+from rollstream.consumers.training.step import train_step
 from rollstream.inference.tinymodel import ensure_tiny_model, load_model
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.schemas import Codec, CommonSettings, Sample

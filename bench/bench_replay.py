@@ -5,7 +5,7 @@
 3. From ClickHouse (chDB in this process, the events inserted through rows/chstore first):
    pages of whole rollouts, rebuilt (event_from_row) and re-encoded.
 4. Unless --quick (or with --samples): the first --processor-events events (whole rollouts)
-   replayed into a namespace, and the stream processor (``python -m rollstream.streams``) over
+   replayed into a namespace, and the stream processor (``rollstream process``) over
    it: samples/s rebuilt, from its first sample to its last.
 
 Events: bench_chstore's report dataset (rollouts of 2-6 turns of LlmCall + ToolCall with
@@ -104,7 +104,7 @@ def processor_samples(settings: CommonSettings, work: Path, timeout: float) -> d
     }
     log = open(work / "processor.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollstream.streams"], env=env, stdout=log,
+        [sys.executable, "-m", "rollstream.infra.cli", "process"], env=env, stdout=log,
         stderr=subprocess.STDOUT,
     )  # fmt: skip
     topic = settings.topics().samples

@@ -165,7 +165,7 @@ def main() -> None:
         base = SinkSettings(
             kafka_bootstrap=bootstrap, sink_batch_messages=args.llm_batch_messages,
             sink_flush_interval_s=args.flush_interval, sink_topics=["events"],
-            analytics_enabled=False, sink_stats_interval_s=0,
+            sink_stats_interval_s=0,
         )  # fmt: skip
         rounds: list[dict[str, float]] = []
         for r in range(args.rounds):

@@ -1,2 +1,3 @@
-"""rollstream.consumers.analytics: the analytics server and client, canned reports, the report
-CLI and replay."""
+"""rollstream.consumers.analytics: the analytics server (settings, protocol, read-only gate) and
+its client, canned reports, the report CLI, replay, and ``rollstream sink`` (service.py: the
+sink loop with the analytics server beside it, in the process that owns the store)."""

@@ -3,9 +3,9 @@ the processors (and the trainer) run again, with new settings or unchanged ones.
 
     ReplaySettings(CommonSettings)    ROLLSTREAM_REPLAY_* (docs/sink-and-replay.md)
     run(settings) -> ReplayResult     replay with a rich progress bar
-    RolloutFilter                     which rollouts (pure): ``matches(event)``, ``sql(db)``
-    rollout_page(client, db, filter, after, limit) -> (records, last)   the store side
-    count_rollouts(client, db, filter) -> (rollouts, events)
+    ReplaySettings.rollout_filter()   which rollouts: a store.queries.RolloutFilter (the store
+                                      side of a replay, ``rollout_page`` and ``count_rollouts``,
+                                      is in store/queries.py too)
 
 A replay selects *whole rollouts*: a rollout is replayed when its RolloutStarted matches every
 filter (started in [since, until), task, group, run_id, policy version, rollout id), and then
@@ -22,15 +22,15 @@ all its events are, in seq order, keyed by rollout_id. Sources:
 - ``clickhouse``: the events table (FINAL) of the namespace's database, a page of whole
   rollouts at a time, in (rollout_id, seq) order, re-encoded with the Codec (rows.event_from_row
   is lossless: the bytes are those the producer wrote, for the default wire format). When the
-  sink holds the chDB path, set ``analytics_url``: the pages come from its analytics server.
+  sink holds the chDB path, set ``analytics_url``: the pages come from its analytics server
+  (analytics.client.AnalyticsClient).
 
 Per-rollout order: one rollout's events are read in order (one Kafka partition, or seq order)
 and produced in that order by an idempotent producer (acks=all), so they land in order in one
 partition of the target topic.
 
-Errors::
-
-    ReplayError          root of this module (bad settings, delivery failed)
+Errors: ``ReplayError`` (bad settings, delivery failed; rollstream.consumers.errors), and
+through the clickhouse source the store's ``StoreError`` and the analytics ``AnalyticsError``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import datetime as dt
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
@@ -53,24 +53,22 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rollstream.adapters.codecs import build_codec
+from rollstream.consumers.analytics.client import AnalyticsClient
+from rollstream.consumers.errors import ReplayError
 from rollstream.consumers.store import chstore
-from rollstream.schemas import Codec, CommonSettings, DecodeError, Event, RolloutStarted
+from rollstream.consumers.store.queries import RolloutFilter, count_rollouts, rollout_page
+from rollstream.schemas import CommonSettings, DecodeError, Event
 
 __all__ = [
     "ReplayError",
     "ReplayResult",
     "ReplaySettings",
     "RolloutFilter",
-    "count_rollouts",
-    "rollout_page",
     "run",
 ]
 
 _US = 1_000_000
-
-
-class ReplayError(Exception):
-    """Root of the replay's errors."""
 
 
 class ReplaySettings(CommonSettings):
@@ -110,132 +108,6 @@ def _to_us(value: dt.datetime | None) -> int | None:
     if value.tzinfo is None:
         value = value.replace(tzinfo=dt.UTC)
     return int(value.timestamp() * _US)
-
-
-# --- selection (pure) --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutFilter:
-    """Which rollouts a replay takes, by their RolloutStarted. Empty fields do not filter."""
-
-    since_us: int | None = None
-    until_us: int | None = None
-    task_ids: tuple[str, ...] = ()
-    group_ids: tuple[str, ...] = ()
-    run_ids: tuple[str, ...] = ()
-    policy_versions: tuple[int, ...] = ()
-    rollout_ids: tuple[str, ...] = ()
-
-    @property
-    def active(self) -> bool:
-        return any(v not in (None, ()) for v in asdict(self).values())
-
-    def matches(self, event: Event) -> bool:
-        """Whether a rollout whose first event is ``event`` is selected."""
-        body = event.body
-        if not isinstance(body, RolloutStarted):
-            return False
-        checks = (
-            self.since_us is None or event.ts >= self.since_us,
-            self.until_us is None or event.ts < self.until_us,
-            not self.task_ids or body.task_id in self.task_ids,
-            not self.group_ids or body.group_id in self.group_ids,
-            not self.run_ids or body.run_id in self.run_ids,
-            not self.policy_versions or body.policy_version in self.policy_versions,
-            not self.rollout_ids or event.rollout_id in self.rollout_ids,
-        )
-        return all(checks)
-
-    def sql(self, database: str) -> tuple[str, dict[str, Any]]:
-        """A SELECT of the selected rollout ids (may repeat), and its parameters."""
-        db = chstore.check_identifier(database)
-        if not self.active:
-            return f"SELECT rollout_id FROM {db}.events", {}
-        conds = ["source = 'started'"]
-        params: dict[str, Any] = {}
-        if self.since_us is not None:
-            conds.append("ts >= fromUnixTimestamp64Micro({f_since:Int64})")
-            params["f_since"] = self.since_us
-        if self.until_us is not None:
-            conds.append("ts < fromUnixTimestamp64Micro({f_until:Int64})")
-            params["f_until"] = self.until_us
-        for column, name, kind in (
-            ("task_id", "task_ids", "String"),
-            ("group_id", "group_ids", "String"),
-            ("run_id", "run_ids", "String"),
-            ("policy_version", "policy_versions", "Int64"),
-            ("rollout_id", "rollout_ids", "String"),
-        ):
-            values = getattr(self, name)
-            if values:
-                conds.append(f"{column} IN {{f_{name}:Array({kind})}}")
-                params[f"f_{name}"] = list(values)
-        return f"SELECT rollout_id FROM {db}.rollouts WHERE {' AND '.join(conds)}", params
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any] | None) -> RolloutFilter:
-        data = dict(data or {})
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown filter fields {sorted(unknown)}")
-        kw: dict[str, Any] = {}
-        for k, v in data.items():
-            if k in ("since_us", "until_us"):
-                kw[k] = None if v is None else int(v)
-            elif k == "policy_versions":
-                kw[k] = tuple(int(x) for x in v or ())
-            else:
-                kw[k] = tuple(str(x) for x in v or ())
-        return cls(**kw)
-
-
-# --- the store side -----------------------------------------------------------------------
-
-
-def rollout_page(
-    client: Any, database: str, flt: RolloutFilter, after: str | None, limit: int
-) -> tuple[list[bytes], str | None]:
-    """Up to ``limit`` whole rollouts after rollout id ``after``, as (key, value) frames
-    flattened (``[key1, value1, key2, value2, ...]``), in (rollout_id, seq) order, and the
-    cursor of the next page (None after the last page)."""
-    if limit < 1:
-        raise ValueError("limit must be positive")
-    selection, params = flt.sql(database)
-    ids = chstore.query(
-        client,
-        f"SELECT rollout_id FROM ({selection}) WHERE rollout_id > {{p_after:String}} "
-        f"GROUP BY rollout_id ORDER BY rollout_id LIMIT {int(limit)}",
-        {**params, "p_after": after or ""},
-    ).column("rollout_id")
-    if not ids:
-        return [], None
-    events = chstore.fetch_events(
-        client, database=database, where="e.rollout_id IN {p_ids:Array(String)}",
-        parameters={"p_ids": ids},
-    )  # fmt: skip
-    codec = Codec()
-    out: list[bytes] = []
-    for event in events:
-        out.append(event.rollout_id.encode())
-        out.append(codec.encode(event))
-    return out, (ids[-1] if len(ids) == limit else None)
-
-
-def count_rollouts(client: Any, database: str, flt: RolloutFilter) -> tuple[int, int]:
-    """(rollouts, events) a replay of ``flt`` from the store would publish."""
-    selection, params = flt.sql(database)
-    table = chstore.query(
-        client,
-        f"SELECT uniqExact(rollout_id), count() FROM {chstore.check_identifier(database)}.events "
-        f"FINAL WHERE rollout_id IN ({selection})",
-        params,
-    )
-    rollouts, events = table.rows[0]
-    return int(rollouts), int(events)
 
 
 # --- run -----------------------------------------------------------------------------------
@@ -351,7 +223,7 @@ def _from_kafka(settings: ReplaySettings, out: _Publisher, result: ReplayResult)
             "max.partition.fetch.bytes": 16 << 20,
         }
     )
-    codec = Codec()
+    codec = build_codec(settings)
     try:
         ranges = _kafka_ranges(settings, consumer, topic, flt)
         result.partitions = ranges
@@ -436,8 +308,6 @@ def _drop_finished(consumer: Consumer, topic: str, pending: dict[int, int]) -> N
 def _pages(settings: ReplaySettings, flt: RolloutFilter) -> tuple[int, int, Iterator[list[bytes]]]:
     page = settings.replay_page_rollouts
     if settings.analytics_url:
-        from rollstream.consumers.analytics.server import AnalyticsClient
-
         remote = AnalyticsClient(settings.analytics_url)
         remote.health()
         rollouts, events = remote.count(settings.namespace, flt.to_json())
@@ -452,12 +322,13 @@ def _pages(settings: ReplaySettings, flt: RolloutFilter) -> tuple[int, int, Iter
     client = chstore.connect(settings.clickhouse_url)
     database = chstore.database_for(settings.namespace)
     rollouts, events = count_rollouts(client, database, flt)
+    codec = build_codec(settings)
 
     def local_pages() -> Iterator[list[bytes]]:
         after: str | None = None
         try:
             while True:
-                records, after = rollout_page(client, database, flt, after, page)
+                records, after = rollout_page(client, database, flt, after, page, codec)
                 if records:
                     yield records
                 if after is None:

@@ -12,10 +12,11 @@ Where the data comes from (``url``, else ``settings.analytics_url``):
   the same read-only session settings the analytics server uses;
 - ``chdb://PATH``: the chDB store itself (only while no sink holds the path).
 With neither ``view`` nor ``sql``, every view is shown. SQL is checked by
-``analytics_server.check_read_only`` on every path, and ClickHouse's readonly=1 refuses writes.
+``readonly.check_read_only`` on every path, and ClickHouse's readonly=1 refuses writes.
 
-Errors: ``ReportError`` (unknown view, a plot of a view without a chart); the analytics API's
-``AnalyticsError`` tree (``RefusedQuery`` for a write) and chstore's ``StoreError`` pass through.
+Errors (rollstream.consumers.errors): ``ReportError`` (unknown view, a plot of a view without a
+chart); the analytics API's ``AnalyticsError`` tree (``RefusedQuery`` for a write) and the
+store's ``StoreError`` pass through.
 """
 
 from __future__ import annotations
@@ -29,21 +30,14 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 from rollstream.consumers.analytics import reports
-from rollstream.consumers.analytics.server import (
-    AnalyticsClient,
-    AnalyticsError,
-    check_read_only,
-    readonly_settings,
-)
+from rollstream.consumers.analytics.client import AnalyticsClient
+from rollstream.consumers.analytics.readonly import check_read_only, readonly_settings
+from rollstream.consumers.errors import AnalyticsError, ReportError
 from rollstream.consumers.store import chstore
 from rollstream.consumers.store.chstore import Table
 from rollstream.schemas import CommonSettings
 
 __all__ = ["ReportError", "ReportSettings", "render", "run"]
-
-
-class ReportError(Exception):
-    """A report that cannot be made (unknown view, plot of a view without a chart, ...)."""
 
 
 class ReportSettings(CommonSettings):

@@ -1,48 +1,30 @@
-"""Analytics over HTTP, served by the process that owns the store (the sink), and its client.
+"""The analytics server: the HTTP API of protocol.py over the store, served by the process that
+owns it (``rollstream sink``: service.py runs it beside the sink loop).
 
 chDB admits one process per data path, so whoever wants to read the sink's tables while it runs
-(``rollstream report``, ``rollstream replay --source clickhouse``, a notebook) asks the sink's
-process: a small Starlette app run by uvicorn in a thread next to the consume loop, on its own
-read-only ClickHouse client (a second client on the same path; clients do not share settings).
+(``rollstream report``, ``rollstream replay --source clickhouse``, a notebook: client.py) asks
+the sink's process: a small Starlette app run by uvicorn in a thread next to the consume loop,
+on its own read-only ClickHouse client (a second client on the same path; clients do not share
+settings), whose session runs with ``readonly.readonly_settings``; every ad-hoc statement passes
+``readonly.check_read_only`` first. Queries are serialized on the one client.
 
-    GET  /health                      {"service": "rollstream-analytics", database, namespace, sink}
-    POST /query   {sql, params?}      {"columns": [...], "rows": [[...], ...]}   read-only
-    GET  /reports                     the canned views (reports.VIEWS) and their parameters
-    GET  /reports/{view}?namespace=&k=v   {"view", "title", "columns", "rows"}
-    POST /events  {namespace, filter, after, limit}   a page of whole rollouts (replay.RolloutFilter
-                                       as JSON), framed (4-byte big-endian length + bytes): key,
-                                       then Codec value, per event, in (rollout_id, seq) order;
-                                       header X-Rollstream-Last = the page's last rollout_id,
-                                       percent-encoded ("" when the page is the last)
-    POST /events/count {namespace, filter}            {"rollouts": n, "events": m}
+    create_app(store, database=, namespace=, stats=, codec=) -> Starlette
+    serve(settings, stats=) -> AnalyticsServer      the app in a daemon thread (``stop()``)
 
-Read-only is enforced twice: ``check_read_only`` admits one statement starting with SELECT,
-WITH, SHOW, DESCRIBE/DESC, EXPLAIN or EXISTS (no INTO OUTFILE), and the query client's session
-runs with ``readonly=1`` (no writes, no DDL, no table functions, no SETTINGS overrides) after
-``max_execution_time``, ``max_result_rows`` (result_overflow_mode=throw) and optionally
-``max_memory_usage`` were set. Queries are serialized on the one client.
-
-Errors::
-
-    AnalyticsError              root of the analytics API (client and server)
-    ├── RefusedQuery            not a single read-only statement (HTTP 403)
-    └── AnalyticsHTTPError      the server answered an error (``status``; client side)
+Errors: ``AnalyticsError`` (the server did not start); requests that fail answer 400
+(bad request, a query ClickHouse refused), 403 (RefusedQuery) or 404 (no such view).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import re
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, unquote
+from typing import Any
+from urllib.parse import quote
 
-import httpx
 import orjson
 import uvicorn
 from starlette.applications import Starlette
@@ -51,152 +33,35 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.analytics import reports
+from rollstream.consumers.analytics.protocol import (
+    LAST_HEADER,
+    RECORDS_HEADER,
+    SERVICE,
+    encode_frames,
+)
+from rollstream.consumers.analytics.readonly import check_read_only, readonly_settings
+from rollstream.consumers.analytics.settings import AnalyticsSettings
+from rollstream.consumers.errors import (
+    AnalyticsError,
+    AnalyticsHTTPError,
+    RefusedQuery,
+    StoreError,
+)
 from rollstream.consumers.store import chstore
-from rollstream.consumers.store.chstore import StoreError, Table
-
-if TYPE_CHECKING:
-    from rollstream.consumers.store.sink import SinkSettings
+from rollstream.consumers.store.queries import RolloutFilter, count_rollouts, rollout_page
+from rollstream.schemas import Codec
 
 __all__ = [
-    "READ_KEYWORDS",
-    "SERVICE",
-    "AnalyticsClient",
     "AnalyticsError",
     "AnalyticsHTTPError",
     "AnalyticsServer",
     "QueryClient",
     "RefusedQuery",
-    "check_read_only",
     "create_app",
-    "decode_frames",
-    "encode_frames",
-    "readonly_settings",
     "serve",
 ]
-
-SERVICE = "rollstream-analytics"
-READ_KEYWORDS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXPLAIN", "EXISTS"})
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_FRAME = struct.Struct(">I")
-
-
-class AnalyticsError(Exception):
-    """Root of the analytics API's errors."""
-
-
-class RefusedQuery(AnalyticsError):
-    """The statement is not one read-only query."""
-
-
-class AnalyticsHTTPError(AnalyticsError):
-    """The analytics server answered with an error status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"analytics server answered {status}: {message}")
-        self.status = status
-
-
-# --- read-only gate (pure) ------------------------------------------------------------------
-
-
-def _scan(sql: str) -> tuple[str, str]:
-    """(sql without comments, code only: string literals and quoted names blanked)."""
-    out: list[str] = []
-    code: list[str] = []
-    i, n = 0, len(sql)
-    while i < n:
-        ch = sql[i]
-        if sql.startswith("--", i) or ch == "#":
-            end = sql.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        if sql.startswith("/*", i):
-            end = sql.find("*/", i + 2)
-            if end < 0:
-                raise RefusedQuery("unterminated comment")
-            out.append(" ")
-            code.append(" ")
-            i = end + 2
-            continue
-        if ch in "'\"`":
-            j = i + 1
-            while j < n and sql[j] != ch:
-                j += 2 if sql[j] == "\\" else 1
-            if j >= n:
-                raise RefusedQuery("unterminated quote")
-            out.append(sql[i : j + 1])
-            code.append(" _ ")
-            i = j + 1
-            continue
-        out.append(ch)
-        code.append(ch)
-        i += 1
-    return "".join(out), "".join(code)
-
-
-def check_read_only(sql: str) -> str:
-    """The statement, comments removed, if it is one read-only query; else RefusedQuery."""
-    text, code = _scan(sql)
-    text, code = text.strip(), code.strip()
-    while code.endswith(";"):
-        code = code[:-1].rstrip()
-        text = text[: text.rstrip().rfind(";")].rstrip()
-    if not code:
-        raise RefusedQuery("empty statement")
-    if ";" in code:
-        raise RefusedQuery("one statement at a time")
-    words = [w.upper() for w in _WORD.findall(code)]
-    if not words or words[0] not in READ_KEYWORDS:
-        first = words[0] if words else code[:20]
-        raise RefusedQuery(
-            f"only {', '.join(sorted(READ_KEYWORDS))} statements are allowed, not {first}"
-        )
-    if any(a == "INTO" and b == "OUTFILE" for a, b in itertools.pairwise(words)):
-        raise RefusedQuery("INTO OUTFILE is not allowed")
-    return text
-
-
-def readonly_settings(
-    max_execution_time_s: float, max_result_rows: int, max_memory_bytes: int = 0
-) -> dict[str, Any]:
-    """Session settings of the query client, limits first: once ``readonly=1`` is set nothing
-    can be changed any more (neither by us nor by a query's SETTINGS clause)."""
-    out: dict[str, Any] = {
-        "max_execution_time": max_execution_time_s,
-        "max_result_rows": max_result_rows,
-        "result_overflow_mode": "throw",
-    }
-    if max_memory_bytes:
-        out["max_memory_usage"] = max_memory_bytes
-    out["readonly"] = 1
-    return out
-
-
-# --- frames ----------------------------------------------------------------------------------
-
-
-def encode_frames(records: list[bytes]) -> bytes:
-    return b"".join(_FRAME.pack(len(r)) + r for r in records)
-
-
-def decode_frames(data: bytes) -> list[bytes]:
-    out: list[bytes] = []
-    view = memoryview(data)
-    i = 0
-    while i < len(view):
-        if i + 4 > len(view):
-            raise AnalyticsError("truncated frame header")
-        (size,) = _FRAME.unpack_from(view, i)
-        i += 4
-        if i + size > len(view):
-            raise AnalyticsError("truncated frame")
-        out.append(bytes(view[i : i + size]))
-        i += size
-    return out
-
-
-# --- server -----------------------------------------------------------------------------------
 
 
 def _json_default(value: Any) -> Any:
@@ -261,13 +126,10 @@ def create_app(
     database: str,
     namespace: str = "",
     stats: Callable[[], dict[str, Any]] | None = None,
+    codec: Codec,
 ) -> Starlette:
-    """The analytics app over a read-only ``store`` (see ``readonly_settings``)."""
-    from rollstream.consumers.analytics.replay import (  # replay imports us
-        RolloutFilter,
-        count_rollouts,
-        rollout_page,
-    )
+    """The analytics app over a read-only ``store`` (see ``readonly_settings``); ``codec``
+    encodes the events ``POST /events`` sends; ``stats`` are the sink's counters."""
 
     def database_of(ns: Any) -> str:
         return database if ns is None else chstore.database_for(str(ns))
@@ -349,15 +211,17 @@ def create_app(
         except (AnalyticsError, ValueError, TypeError, StoreError) as exc:
             return _error(400, str(exc))
         try:
-            records, last = await run_in_threadpool(store.call, rollout_page, db, flt, after, limit)
+            records, last = await run_in_threadpool(
+                store.call, rollout_page, db, flt, after, limit, codec
+            )
         except StoreError as exc:
             return _error(400, str(exc))
         return Response(
             encode_frames(records),
             media_type="application/octet-stream",
             headers={
-                "X-Rollstream-Last": quote(last or "", safe=""),
-                "X-Rollstream-Records": str(len(records)),
+                LAST_HEADER: quote(last or "", safe=""),
+                RECORDS_HEADER: str(len(records)),
             },
         )
 
@@ -405,10 +269,10 @@ class AnalyticsServer:
 
 
 def serve(
-    settings: SinkSettings, *, stats: Callable[[], dict[str, Any]] | None = None
+    settings: AnalyticsSettings, *, stats: Callable[[], dict[str, Any]] | None = None
 ) -> AnalyticsServer:
-    """Open a read-only client on the sink's store and serve the app in a thread of this
-    process (call after the sink has applied its migrations)."""
+    """Open a read-only client on the store and serve the app in a thread of this process
+    (call after the store's migrations were applied: the sink applies them when it opens)."""
     s = settings
 
     def connect() -> Any:
@@ -419,11 +283,13 @@ def serve(
                 s.analytics_max_memory_bytes,
             ),
         )  # fmt: skip
-        client.database = s.database  # unqualified table names are the sink's tables
+        client.database = s.database  # unqualified table names are the namespace's tables
         return client
 
     store = QueryClient(connect)
-    app = create_app(store, database=s.database, namespace=s.namespace, stats=stats)
+    app = create_app(
+        store, database=s.database, namespace=s.namespace, stats=stats, codec=build_codec(s)
+    )
     config = uvicorn.Config(
         app, host=s.analytics_host, port=s.analytics_port, log_level="warning", lifespan="off"
     )
@@ -440,97 +306,3 @@ def serve(
         time.sleep(0.02)
     port = s.analytics_port or server.servers[0].sockets[0].getsockname()[1]
     return AnalyticsServer(server, thread, store, s.analytics_host, port)
-
-
-# --- client ------------------------------------------------------------------------------------
-
-
-def _table(columns: list[str], rows: list[list[Any]]) -> Table:
-    """JSON rows back to a Table; null in a float column is NaN (JSON has no NaN)."""
-    floats = [
-        any(isinstance(r[i], float) for r in rows)
-        and all(r[i] is None or isinstance(r[i], float | int) for r in rows)
-        for i in range(len(columns))
-    ]
-    fixed = [
-        tuple(float("nan") if v is None and floats[i] else v for i, v in enumerate(r)) for r in rows
-    ]
-    return Table(tuple(columns), fixed)
-
-
-class AnalyticsClient:
-    """HTTP client of the analytics server (``rollstream report``, ``rollstream replay``)."""
-
-    def __init__(self, url: str, *, timeout: float = 120.0) -> None:
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise AnalyticsError(f"cannot reach the analytics server at {self.url}: {exc}") from exc
-        if response.status_code >= 400:
-            try:
-                message = response.json().get("error", response.text)
-            except ValueError:
-                message = response.text
-            if response.status_code == 403:
-                raise RefusedQuery(message)
-            raise AnalyticsHTTPError(response.status_code, message)
-        return response
-
-    def health(self) -> dict[str, Any]:
-        data = self._call("GET", "/health").json()
-        if not isinstance(data, dict) or data.get("service") != SERVICE:
-            raise AnalyticsError(f"{self.url} is not a rollstream analytics server")
-        return data
-
-    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> Table:
-        data = self._call("POST", "/query", json={"sql": sql, "params": dict(params or {})}).json()
-        return _table(data["columns"], data["rows"])
-
-    def views(self) -> list[dict[str, Any]]:
-        return list(self._call("GET", "/reports").json())
-
-    def report(self, view: str, *, namespace: str | None = None, **params: Any) -> Table:
-        query = {k: str(v) for k, v in params.items()}
-        if namespace is not None:
-            query["namespace"] = namespace
-        data = self._call("GET", f"/reports/{view}", params=query).json()
-        return _table(data["columns"], data["rows"])
-
-    def event_page(
-        self, namespace: str | None, filter_json: dict[str, Any], after: str | None, limit: int
-    ) -> tuple[list[bytes], str | None]:
-        """One page of encoded events (whole rollouts) and the cursor for the next page."""
-        body = {"namespace": namespace, "filter": filter_json, "after": after, "limit": limit}
-        response = self._call("POST", "/events", json=body)
-        last = unquote(response.headers.get("X-Rollstream-Last", ""))
-        return decode_frames(response.content), last or None
-
-    def events(
-        self, namespace: str | None, filter_json: dict[str, Any], *, page_rollouts: int = 500
-    ) -> Iterator[list[bytes]]:
-        after: str | None = None
-        while True:
-            records, after = self.event_page(namespace, filter_json, after, page_rollouts)
-            if records:
-                yield records
-            if after is None:
-                return
-
-    def count(self, namespace: str | None, filter_json: dict[str, Any]) -> tuple[int, int]:
-        data = self._call(
-            "POST", "/events/count", json={"namespace": namespace, "filter": filter_json}
-        ).json()
-        return int(data["rollouts"]), int(data["events"])
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> AnalyticsClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -6,19 +6,19 @@ directory), ``http(s)://user:pass@host:port/db`` is a ClickHouse server. Table n
 qualified with a database: one database per namespace (``database_for``), so a replay namespace
 writes its own tables.
 
-Inserts go in as Arrow tables built column by column from ``rows.TABLES`` (token arrays: one
+Inserts go in as Arrow tables built column by column from ``tables.TABLES`` (token arrays: one
 ``np.concatenate`` per column, no per-token Python work), each with
 ``insert_deduplication_token = <batch token>:<table>``: the ReplacingMergeTree tables keep a
 deduplication window, so a batch retried with the same token is stored once.
 
-Errors (``StoreError`` and ``RowError`` are defined in rows.py, the store's pure half):
+Errors: the ``StoreError`` branch of rollstream.consumers.errors (re-exported here):
 
     StoreError                  root of the ClickHouse store
     ├── RowError                a record that cannot be mapped to rows (rows.py; -> DLQ)
     ├── ConnectError            bad URL, chDB path held by another process, server unreachable
     ├── InsertError             an insert failed (``table``, ``token``, ``retryable``)
     ├── QueryError              a query or command failed (``sql``)
-    └── MigrationError          a migration failed or an applied one was edited (infra)
+    └── MigrationError          a migration failed or an applied one was edited (migrations.py)
 """
 
 from __future__ import annotations
@@ -36,7 +36,16 @@ from clickhouse_connect import get_client
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 
-from rollstream.consumers.store.rows import COLUMNS, TABLES, RowError, StoreError, event_from_row
+from rollstream.consumers.errors import (
+    ConnectError,
+    InsertError,
+    MigrationError,
+    QueryError,
+    RowError,
+    StoreError,
+)
+from rollstream.consumers.store.rows import event_from_row
+from rollstream.consumers.store.tables import COLUMNS, TABLES
 
 __all__ = [
     "DEFAULT_DATABASE",
@@ -68,33 +77,6 @@ INSERT_SETTINGS: dict[str, Any] = {
 }
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class ConnectError(StoreError):
-    """The store cannot be opened: bad URL, chDB path held by another process, no server."""
-
-
-class InsertError(StoreError):
-    """An insert failed. ``retryable`` is True for transport failures (the same batch with the
-    same token can be sent again), False when the server rejected the data."""
-
-    def __init__(self, message: str, *, table: str, token: str, retryable: bool) -> None:
-        super().__init__(message)
-        self.table = table
-        self.token = token
-        self.retryable = retryable
-
-
-class QueryError(StoreError):
-    """A query or command failed; ``sql`` is the statement."""
-
-    def __init__(self, message: str, *, sql: str) -> None:
-        super().__init__(message)
-        self.sql = sql
-
-
-class MigrationError(StoreError):
-    """A schema migration failed, or a migration already applied was changed since."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +185,7 @@ def _numeric_list(values: Sequence[Any], dtype: np.dtype[Any]) -> pa.Array:
 
 
 def to_arrow(table: str, rows: Sequence[tuple[Any, ...]]) -> pa.Table:
-    """Rows of ``table`` (tuples in ``rows.TABLES`` order) as an Arrow table."""
+    """Rows of ``table`` (tuples in ``tables.TABLES`` order) as an Arrow table."""
     columns = TABLES[table]
     widths = set(map(len, rows))
     if widths - {len(columns)}:

@@ -31,11 +31,11 @@ from rollstream.consumers.store.rows import (
     _TYPED_ROWS,
     OffsetRange,
     RowError,
-    TableRows,
     _body_json,
     _check_event,
     rows_for_record,
 )
+from rollstream.consumers.store.tables import COLUMNS, TABLES, TableRows
 from rollstream.schemas import Event, Record, Reward, RolloutFinished, RolloutStarted, ToolCall
 
 __all__ = ["ColumnBatch"]
@@ -86,8 +86,8 @@ _SPECS: dict[type, tuple[str, dict[str, _Spec]]] = {
 }  # fmt: skip
 _KAFKA = ("kafka_topic", "kafka_partition", "kafka_offset")
 for _table, _spec in _SPECS.values():  # every column has a source: checked at import
-    _missing = set(chstore.COLUMNS[_table]) - set(_spec) - set(_KAFKA)
-    if _missing or list(_spec) != [c for c in chstore.COLUMNS[_table] if c not in _KAFKA]:
+    _missing = set(COLUMNS[_table]) - set(_spec) - set(_KAFKA)
+    if _missing or list(_spec) != [c for c in COLUMNS[_table] if c not in _KAFKA]:
         raise RuntimeError(f"columnar spec of {_table} does not match its columns: {_missing}")
 
 
@@ -241,14 +241,14 @@ class ColumnBatch(OffsetRange):
             _binary(self._json, self._json_ends),
             *self._kafka(self._offsets),
         ]
-        return pa.Table.from_arrays(columns, names=list(chstore.COLUMNS["events"]))
+        return pa.Table.from_arrays(columns, names=list(COLUMNS["events"]))
 
     def _typed_table(self, cls: type, events: list[Event], offsets: list[int]) -> pa.Table:
         table, spec = _SPECS[cls]
         n = len(events)
         bodies = list(map(_BODY, events))
         columns: list[pa.Array] = []
-        for col in chstore.TABLES[table]:
+        for col in TABLES[table]:
             if col.name in _KAFKA:
                 continue
             how, arg = spec[col.name]
@@ -265,7 +265,7 @@ class ColumnBatch(OffsetRange):
             else:
                 columns.append(pa.repeat(pa.scalar(arg, chstore._SCALAR[kind]), n))
         columns += self._kafka(offsets)
-        return pa.Table.from_arrays(columns, names=list(chstore.COLUMNS[table]))
+        return pa.Table.from_arrays(columns, names=list(COLUMNS[table]))
 
 
 _BODY = attrgetter("body")

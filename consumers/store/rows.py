@@ -1,7 +1,8 @@
-"""Typed records (rollstream.schemas) mapped to ClickHouse rows. Pure: no ClickHouse client.
+"""Rollout events mapped to ClickHouse rows, and the row batch of a topic partition. Pure: no
+ClickHouse client.
 
 One message gives rows for one or more tables (``TableRows``: table name -> row tuples in the
-column order of ``TABLES``):
+column order of ``tables.TABLES``):
 
     Event(RolloutStarted)   -> events, rollouts (source "started")
     Event(LlmCall)          -> events, llm_calls
@@ -9,9 +10,7 @@ column order of ``TABLES``):
     Event(Reward)           -> events, rewards
     Event(RolloutFinished)  -> events, rollouts (source "finished")
     Event(Branch | RolloutError) -> events
-    Trajectory              -> trajectories, rollouts (source "trajectory")
-    Sample                  -> samples
-    PolicyVersion           -> policy_versions
+    Trajectory, Sample, PolicyVersion   -> derived_rows.py (``rows_for_record`` dispatches)
 
 ``rollouts.version`` is ``seq * 4 + rank`` (started 0, finished 1, trajectory 2, with the
 trajectory's last_seq): the highest version holds a rollout's current status.
@@ -22,22 +21,27 @@ lossless: ``body_json`` holds every body field except the three token arrays of 
 which live once, in ``llm_calls`` (same event_id); ``event_from_row`` rebuilds the Event.
 
 A record that cannot be stored raises ``RowError`` (with a reason) so the sink can route it to
-the dead-letter topic; ``RowError`` belongs to the store's error tree drawn in chstore.py.
+the dead-letter topic (rollstream.consumers.errors draws the tree).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import operator
 from collections.abc import Mapping
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
-import numpy as np
 import orjson
 
+from rollstream.consumers.errors import RowError, StoreError
+from rollstream.consumers.store.derived_rows import (
+    rows_for_policy_version,
+    rows_for_sample,
+    rows_for_trajectory,
+)
+from rollstream.consumers.store.tables import MAX_TS_US, TableRows
 from rollstream.schemas import (
     BODY_TYPES,
     Event,
@@ -53,99 +57,14 @@ from rollstream.schemas import (
 )
 
 __all__ = [
-    "COLUMNS",
-    "MAX_TS_US",
-    "TABLES",
-    "Column",
     "OffsetRange",
     "RowBatch",
     "RowError",
     "StoreError",
-    "TableRows",
     "event_from_row",
     "rows_for_event",
-    "rows_for_policy_version",
     "rows_for_record",
-    "rows_for_sample",
-    "rows_for_trajectory",
-    "sample_digest",
 ]
-
-TableRows: TypeAlias = dict[str, list[tuple[Any, ...]]]
-
-# DateTime64(6) holds 1900-01-01 .. 2299-12-31; we accept the epoch onwards.
-MAX_TS_US = 10_413_791_999_999_999
-
-
-class StoreError(Exception):
-    """Root of every error of the ClickHouse store (tree drawn in chstore)."""
-
-
-class RowError(StoreError):
-    """A record that cannot be mapped to rows. ``reason`` says why; ``kind`` names the record."""
-
-    def __init__(self, reason: str, kind: str = "") -> None:
-        super().__init__(f"cannot map {kind or 'record'} to rows: {reason}")
-        self.reason = reason
-        self.kind = kind
-
-
-class Column(NamedTuple):
-    """A column and how the store builds it. Kinds: str, bytes (UTF-8 text as bytes), bool,
-    i32, i64, u32, u64, f64, ts (int microseconds -> DateTime64(6)), u32[] f32[] i32[] i64[]
-    f64[] (numpy arrays or lists), str[], map:str (Map(String, String)), map:f64."""
-
-    name: str
-    kind: str
-
-
-def _cols(spec: str) -> tuple[Column, ...]:
-    return tuple(Column(*item.split(":", 1)) for item in spec.split())
-
-
-_KAFKA = " kafka_topic:str kafka_partition:i32 kafka_offset:i64"
-_HEAD = "event_id:str rollout_id:str seq:u64 ts:ts "
-
-TABLES: dict[str, tuple[Column, ...]] = {
-    "events": _cols(_HEAD + "type:str producer:str schema_version:i32 body_json:bytes" + _KAFKA),
-    "llm_calls": _cols(
-        _HEAD + "call_id:str parent_call_id:str prefix_len:u32 prompt_len:u32 prompt_delta:u32[] "
-        "completion_ids:u32[] completion_logprobs:f32[] finish_reason:str model:str "
-        "backend:str policy_version:i64 latency_ms:f64 prompt_tokens:i32 completion_tokens:i32 "
-        "cached_tokens:i32 drift_tokens:i32" + _KAFKA
-    ),
-    "tool_calls": _cols(
-        _HEAD + "tool_call_id:str name:str arguments:str result:str result_truncated:bool "
-        "is_error:bool duration_ms:f64 sandbox:str at_call_id:str" + _KAFKA
-    ),
-    "rewards": _cols(_HEAD + "value:f64 kind:str name:str at_call_id:str evaluator:str" + _KAFKA),
-    "rollouts": _cols(
-        "rollout_id:str source:str version:u64 ts:ts task_id:str group_id:str run_id:str "
-        "attempt:i32 group_size:i32 harness:str policy_version:i64 status:str error:str "
-        "score:f64 num_events:i32 num_llm_calls:u32 num_completion_tokens:u64 "
-        "started_ts:ts finished_ts:ts" + _KAFKA
-    ),
-    "trajectories": _cols(
-        "rollout_id:str ts:ts task_id:str group_id:str run_id:str attempt:i32 group_size:i32 "
-        "status:str error:str score:f64 score_source:str num_events:i32 last_seq:i64 "
-        "started_ts:ts finished_ts:ts num_nodes:u32 num_completion_tokens:u64 "
-        "node_call_ids:str[] node_parent_ids:str[] node_prefix_lens:i32[] "
-        "node_prompt_lens:u32[] node_completion_lens:u32[] node_policy_versions:i64[] "
-        "node_finish_reasons:str[] reward_values:f64[] reward_kinds:str[] reward_names:str[] "
-        "reward_at_call_ids:str[] metadata:map:str" + _KAFKA
-    ),
-    "samples": _cols(
-        "sample_id:str rollout_id:str group_id:str task_id:str ts:ts mode:str advantage:f64 "
-        "reward:f64 loss_weight:f64 policy_version:i64 min_policy_version:i64 "
-        "policy_versions:i64[] leaf_id:str num_tokens:i32 input_len:u32 num_loss_tokens:u32 "
-        "digest:str" + _KAFKA
-    ),
-    "policy_versions": _cols(
-        "version:i64 ts:ts checkpoint_uri:str trainer_step:i64 samples_trained:i64 "
-        "metrics:map:f64" + _KAFKA
-    ),
-}
-COLUMNS: dict[str, tuple[str, ...]] = {t: tuple(c.name for c in cs) for t, cs in TABLES.items()}
 
 _NAN = float("nan")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -153,12 +72,6 @@ _US = dt.timedelta(microseconds=1)
 
 
 # --- checks ---------------------------------------------------------------------------------
-
-
-def _ts(value: int, what: str, kind: str) -> int:
-    if not 0 <= value <= MAX_TS_US:
-        raise RowError(f"{what} {value} is outside 0..{MAX_TS_US} microseconds", kind)
-    return value
 
 
 def _check_event(event: Event) -> str:
@@ -354,7 +267,7 @@ def rows_for_event(event: Event, topic: str, partition: int, offset: int) -> Tab
     row, table, typed = _event_rows(event, (topic, partition, offset))
     if table is None:
         return {"events": [row]}
-    return {"events": [row], table: [typed]}  # type: ignore[list-item]
+    return {"events": [row], table: [typed]}
 
 
 def event_from_row(row: Mapping[str, Any], llm_call: Mapping[str, Any] | None = None) -> Event:
@@ -383,125 +296,6 @@ def event_from_row(row: Mapping[str, Any], llm_call: Mapping[str, Any] | None = 
         schema_version=int(row["schema_version"]),
         body=body_cls.from_json(data),
     )
-
-
-# --- derived records ----------------------------------------------------------------------
-
-
-def rows_for_trajectory(
-    traj: Trajectory, topic: str, partition: int, offset: int, *, timestamp_us: int = 0
-) -> TableRows:
-    """Rows of a rebuilt trajectory: ``trajectories`` (tree shape and rewards, not the token
-    arrays, which llm_calls holds) and its ``rollouts`` summary (source "trajectory").
-    ``ts`` is the rollout start, else its finish, else ``timestamp_us`` (the Kafka time)."""
-    kind = "Trajectory"
-    if not traj.rollout_id:
-        raise RowError("empty rollout_id", kind)
-    started = _ts(traj.started_ts, "started_ts", kind)
-    finished = _ts(traj.finished_ts, "finished_ts", kind)
-    ts = _ts(started or finished or timestamp_us, "ts", kind)
-    nodes = traj.nodes
-    completion_lens = np.fromiter((len(n.completion_ids) for n in nodes), np.uint32, len(nodes))
-    num_completion = int(completion_lens.sum())
-    kafka = (topic, partition, offset)
-    common = (traj.task_id, traj.group_id, traj.run_id, traj.attempt, traj.group_size or 0)
-    k, rewards = len(nodes), traj.rewards
-    traj_row = (
-        traj.rollout_id, ts, *common, traj.status, traj.error or "", traj.score,
-        traj.score_source, traj.num_events, traj.last_seq, started, finished, k, num_completion,
-        [n.call_id for n in nodes],
-        [n.parent_call_id or "" for n in nodes],
-        np.fromiter((n.prefix_len for n in nodes), np.int32, k),
-        np.fromiter((len(n.prompt_tokens) for n in nodes), np.uint32, k),
-        completion_lens,
-        np.fromiter((n.policy_version for n in nodes), np.int64, k),
-        [n.finish_reason for n in nodes],
-        np.fromiter((r.value for r in rewards), np.float64, len(rewards)),
-        [r.kind for r in rewards],
-        [r.name for r in rewards],
-        [r.at_call_id or "" for r in rewards],
-        traj.metadata,
-        *kafka,
-    )  # fmt: skip
-
-    policy = min((n.policy_version for n in nodes), default=0)
-    rollout_row = (
-        traj.rollout_id, "trajectory", max(traj.last_seq, 0) * 4 + 2, ts, *common, "", policy,
-        traj.status, traj.error or "", traj.score, traj.num_events, len(nodes), num_completion,
-        started, finished, *kafka,
-    )  # fmt: skip
-    return {"trajectories": [traj_row], "rollouts": [rollout_row]}
-
-
-def sample_digest(sample: Sample) -> str:
-    """A digest of the sample's token content (ids, mask, logprobs, tree, versions): two runs
-    that produced identical samples have equal digests (replay checks compare them in SQL)."""
-    h = hashlib.blake2b(digest_size=16)
-    for arr in (
-        sample.input_ids,
-        sample.loss_mask,
-        sample.behaviour_logprobs,
-        sample.parent_indices,
-        sample.token_policy_versions,
-    ):
-        h.update(len(arr).to_bytes(8, "little"))
-        h.update(np.ascontiguousarray(arr).tobytes())
-    return h.hexdigest()
-
-
-def rows_for_sample(
-    sample: Sample, topic: str, partition: int, offset: int, *, timestamp_us: int
-) -> TableRows:
-    """Rows of a training sample. A sample has no time of its own: ``timestamp_us`` is the
-    Kafka message time (when it became available to the trainer; staleness is measured then).
-    Token arrays are not stored, only their sizes and a digest of their content."""
-    kind = "Sample"
-    if not sample.sample_id:
-        raise RowError("empty sample_id", kind)
-    if timestamp_us <= 0:
-        raise RowError("a sample needs timestamp_us (its Kafka message time)", kind)
-    versions = sample.policy_versions
-    row = (
-        sample.sample_id,
-        sample.rollout_id,
-        sample.group_id,
-        sample.task_id,
-        _ts(timestamp_us, "timestamp_us", kind),
-        str(sample.mode),
-        sample.advantage,
-        sample.reward,
-        sample.loss_weight,
-        sample.policy_version,
-        min(versions) if versions else sample.policy_version,
-        versions,
-        sample.leaf_id,
-        sample.num_tokens,
-        len(sample.input_ids),
-        int(np.count_nonzero(sample.loss_mask)),
-        sample_digest(sample),
-        topic,
-        partition,
-        offset,
-    )
-    return {"samples": [row]}
-
-
-def rows_for_policy_version(
-    pv: PolicyVersion, topic: str, partition: int, offset: int
-) -> TableRows:
-    kind = "PolicyVersion"
-    row = (
-        pv.version,
-        _ts(pv.ts, "ts", kind),
-        pv.checkpoint_uri,
-        pv.trainer_step,
-        pv.samples_trained,
-        pv.metrics,
-        topic,
-        partition,
-        offset,
-    )
-    return {"policy_versions": [row]}
 
 
 def rows_for_record(
@@ -580,7 +374,7 @@ class RowBatch(OffsetRange):
                 rows = tables.get(table)
                 if rows is None:
                     rows = tables[table] = []
-                rows.append(typed)  # type: ignore[arg-type]
+                rows.append(typed)
             return
         rows_by_table = rows_for_record(
             record, self.topic, self.partition, offset, timestamp_us=timestamp_us

@@ -1,15 +1,19 @@
-"""The ClickHouse sink (``rollstream sink``): Kafka topics -> rows -> ClickHouse, idempotently.
+"""The ClickHouse sink loop: Kafka topics -> rows -> ClickHouse, idempotently.
 
-    SinkSettings(CommonSettings)    ROLLSTREAM_SINK_*, ROLLSTREAM_ANALYTICS_* (see docs)
-    run(settings) -> SinkStats      apply migrations, serve analytics, consume until SIGTERM/SIGINT
+    run(settings, beside=None) -> SinkStats     create topics, open the store (migrations),
+                                    consume until SIGTERM/SIGINT; ``beside(sink)``: a context
+                                    that runs next to the loop (``rollstream sink`` serves the
+                                    analytics API there: analytics/service.py)
     Sink(settings)                  the loop itself (``run()``, ``stop()``, ``stats``) for tests
-    python -m rollstream.consumers.store.sink    the same as run(SinkSettings()), for supervisors
+    settings.SinkSettings           ROLLSTREAM_SINK_*
+    writer.py                       the writer thread: dead letters (dead_letters.py), inserts,
+                                    retries, verification (verify.py)
 
 One confluent-kafka consumer (group ``<ns>.rollstream-sink-v1``, auto-commit off) reads the
 events, trajectories, samples and policy.versions topics of a namespace. Messages are cut into
 batches per topic partition; each batch is decoded (Codec) and mapped to columns
 (columnar.ColumnBatch) by the consume loop, or by ``sink_map_workers`` worker processes
-(sink_workers.MapPool: decode, map and Arrow tables off the loop's GIL); a writer thread takes
+(workers.MapPool: decode, map and Arrow tables off the loop's GIL); a writer thread takes
 the batches in the order they were cut, dead-letters their bad records, inserts them
 (``chstore.insert_arrow_tables``) under the token ``topic:partition:first:last`` (ClickHouse
 works without the GIL meanwhile), and only then does the loop commit their offsets,
@@ -17,7 +21,7 @@ synchronously, in order. A rebalance first waits until everything handed to the 
 inserted and committed. Records that cannot be decoded or mapped go to the dead-letter topic
 unchanged, with the reason in headers, and the sink carries on. While it runs, the cyclic GC
 collects its young generation every 50,000 allocations instead of 700
-(``sink_workers.mapping_gc``: a batch keeps ~4 tracked objects per message alive).
+(``workers.mapping_gc``: a batch keeps ~4 tracked objects per message alive).
 
 Batch boundaries are a function of the log, not of timing, so a batch retried after a crash
 covers exactly the same offsets and ClickHouse drops it by its token (the raw row count does
@@ -41,251 +45,54 @@ from the committed offsets and builds the same batches (same rules, same intents
 Tokens alone do not make a retry safe: a process killed inside an insert can leave the token in
 ClickHouse's deduplication log without the rows, and the retry is then dropped. So after each
 assignment the batches of a partition are *verified* against the tables until the first one of
-which nothing is stored; rows still missing go in under a fresh token (sink_verify.py).
+which nothing is stored; rows still missing go in under a fresh token (verify.py).
 
 A clean stop stores the caught-up partial batches (with intents) and leaves the rest to be read
 again.
 
-Errors::
+Errors (rollstream.consumers.errors)::
 
-    SinkError                   root of rollstream.consumers.store.sink
+    SinkError                   root of the sink loop's errors
     ├── DeadLetterError         a dead-letter record was not delivered (nothing was committed)
     └── InsertRetryError        a retryable insert kept failing for sink_insert_retry_s
-    (chstore's StoreError tree: ConnectError, MigrationError, non-retryable InsertError, ...)
+    (and the store's StoreError tree: ConnectError, MigrationError, non-retryable InsertError)
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import queue
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from rollstream.adapters.codecs import build_codec
+from rollstream.consumers.errors import DeadLetterError, InsertRetryError, SinkError
 from rollstream.consumers.store import chstore
-from rollstream.consumers.store import verify as sink_verify
 from rollstream.consumers.store.batches import INTENT_PREFIX, BatchCutter, RawBatch, parse_intent
+from rollstream.consumers.store.dead_letters import DeadLetters
 from rollstream.consumers.store.migrations import apply_migrations
-from rollstream.consumers.store.rows import RowBatch
-from rollstream.consumers.store.workers import (
-    EXPECT,
-    MapJob,
-    MapPool,
-    MapResult,
-    map_columns,
-    mapping_gc,
-)
-from rollstream.schemas import Codec, CommonSettings
+from rollstream.consumers.store.settings import SinkSettings
+from rollstream.consumers.store.stats import SinkStats
+from rollstream.consumers.store.workers import MapJob, MapPool, map_columns, mapping_gc
+from rollstream.consumers.store.writer import BatchStore, Mapped, WriterThread, message_offset
 
 __all__ = [
-    "INTENT_PREFIX",
-    "BatchCutter",
     "DeadLetterError",
     "InsertRetryError",
-    "RawBatch",
     "Sink",
     "SinkError",
     "SinkSettings",
     "SinkStats",
-    "dlq_headers",
-    "main",
-    "parse_intent",
     "run",
 ]
 
-T = TypeVar("T")
-log = logging.getLogger("rollstream.consumers.store.sink")
-
-SinkTopic = Literal["events", "trajectories", "samples", "policy"]
-
-
-class SinkError(Exception):
-    """Root of the sink's errors."""
-
-
-class DeadLetterError(SinkError):
-    """A dead-letter record could not be delivered; the batch's offsets were not committed."""
-
-
-class InsertRetryError(SinkError):
-    """A retryable insert (transport failure) kept failing for ``sink_insert_retry_s``."""
-
-
-class SinkSettings(CommonSettings):
-    """The ClickHouse sink deployable (``rollstream sink``); its analytics server's settings too."""
-
-    sink_group_id: str = "rollstream-sink-v1"  # consumer group (prefixed with the namespace)
-    sink_instance_id: str | None = None  # Kafka static membership: restarts skip the rebalance
-    sink_topics: list[SinkTopic] = ["events", "trajectories", "samples", "policy"]  # read these
-    sink_batch_messages: int = 20_000  # N: batches never cross a multiple of N offsets
-    sink_batch_bytes: int = 32 << 20  # ... nor this many value bytes
-    sink_flush_interval_s: float = 1.0  # a caught-up partial batch this old is flushed (intent)
-    sink_flush_max_wait_s: float = 60.0  # ... and any partial batch this old
-    sink_poll_messages: int = 10_000  # at most this many messages per poll
-    sink_poll_timeout_s: float = 0.2  # wait this long for a message when none is queued
-    sink_session_timeout_ms: int = 6_000  # Kafka session.timeout.ms
-    sink_max_poll_interval_ms: int = 300_000  # Kafka max.poll.interval.ms
-    sink_max_partition_fetch_bytes: int = 8 << 20  # Kafka max.partition.fetch.bytes
-    sink_pipeline_depth: int = 4  # mapped batches waiting for the writer thread
-    sink_map_workers: int = 0  # processes that decode + map batches (0: the consume loop)
-    sink_insert_retry_s: float = 120.0  # retry a failing (transport) insert, then exit
-    sink_stats_interval_s: float = 30.0  # counters in the log this often (0: never)
-    sink_log_level: str = "info"  # python -m ...sink; debug logs every insert and commit
-    sink_debug_commit_delay_s: float = 0.0  # tests: widen the insert -> commit window
-    analytics_enabled: bool = True  # serve the analytics API in the sink process
-    analytics_host: str = "127.0.0.1"  # analytics server address (--host)
-    analytics_port: int = 8300  # analytics server port (--port; 0: any free port)
-    analytics_max_execution_time_s: float = 30.0  # per query (max_execution_time)
-    analytics_max_result_rows: int = 1_000_000  # per query; more is an error
-    analytics_max_memory_bytes: int = 0  # 0: the engine's default
-
-    @property
-    def group_id(self) -> str:
-        return self.topics().name(self.sink_group_id)
-
-    @property
-    def database(self) -> str:
-        return chstore.database_for(self.namespace)
-
-    def topic_names(self) -> dict[str, str]:
-        """Kafka topic -> contract name (events, trajectories, samples, policy)."""
-        topics = self.topics()
-        return {getattr(topics, name): name for name in self.sink_topics}
-
-
-# --- the sink ----------------------------------------------------------------------------
-
-
-@dataclass
-class SinkStats:
-    messages: int = 0
-    batches: int = 0
-    rows: dict[str, int] = field(default_factory=dict)
-    dead_letters: int = 0
-    intents: int = 0
-    commits: int = 0
-    commit_failures: int = 0
-    insert_retries: int = 0
-    split_batches: int = 0
-    verified_batches: int = 0  # re-read after an assignment, checked against the tables
-    verified_rows_present: int = 0  # ... rows of them that were stored already (not re-sent)
-    dropped_on_revoke: int = 0
-    first_message_at: float = 0.0  # time.monotonic() of the first message (benchmarks)
-    last_insert_at: float = 0.0  # ... and of the last insert
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "rows": dict(self.rows)}
-
-
-def dlq_headers(
-    msg: Message, *, reason: str, code: str, kind: str, processor: str
-) -> list[tuple[str, str | bytes | None]]:
-    """Headers of a dead-lettered record (the names streams/dlq.py and dataset.py use, plus
-    ``kind``: the record type that could not be mapped)."""
-    values = {
-        "reason": reason,
-        "code": code,
-        "kind": kind,
-        "original_topic": msg.topic() or "",
-        "original_partition": str(msg.partition()),
-        "original_offset": str(msg.offset()),
-        "stage": "sink",
-        "processor": processor,
-    }
-    return [(k, v.encode()) for k, v in values.items()]
-
-
-def _offset(msg: Message) -> int:
-    """A consumed message's offset (the client's type says it may be None; it is not)."""
-    offset = msg.offset()
-    if offset is None:
-        raise SinkError(f"message of {msg.topic()}[{msg.partition()}] without an offset")
-    return offset
-
-
-@dataclass
-class _Mapped:
-    """A batch handed to the writer: mapped in the loop (``result``) or being mapped by a worker
-    (``future``). Its bad records are dead-lettered by the writer, before the insert."""
-
-    batch: RawBatch
-    result: MapResult | None = None
-    future: Future[MapResult] | None = None
-
-    def wait(self) -> MapResult:
-        if self.result is None:
-            assert self.future is not None
-            self.result, self.future = self.future.result(), None
-        return self.result
-
-
-class _Writer:
-    """The thread that inserts, in order, the batches the consume loop has mapped, so ClickHouse
-    (which releases the GIL) works while the loop decodes the next ones. The loop commits what
-    ``done()`` returns: offsets are committed by the thread that polls (a synchronous commit
-    from another thread waits on the poller and can hang). ``drain()`` waits until everything
-    handed over is inserted; a failure is raised in the loop by ``check``/``submit``/``drain``."""
-
-    def __init__(self, store: Callable[[_Mapped], None], depth: int) -> None:
-        self._store = store
-        self._jobs: queue.Queue[_Mapped | None] = queue.Queue(maxsize=max(1, depth))
-        self._done: queue.SimpleQueue[_Mapped] = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="sink-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                if self.error is None:
-                    self._store(job)
-                    self._done.put(job)
-            except BaseException as exc:  # handed to the loop, which raises it
-                self.error = exc
-            finally:
-                self._jobs.task_done()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def submit(self, job: _Mapped, timeout: float) -> bool:
-        """Hand a batch over; False if the queue stayed full for ``timeout`` seconds."""
-        self.check()
-        try:
-            self._jobs.put(job, timeout=timeout)
-        except queue.Full:
-            return False
-        return True
-
-    def done(self) -> list[_Mapped]:
-        """The batches inserted since the last call, in order."""
-        out: list[_Mapped] = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                out.append(self._done.get_nowait())
-        return out
-
-    def drain(self) -> None:
-        self._jobs.join()
-        self.check()
-
-    def close(self, timeout: float = 60.0) -> None:
-        with contextlib.suppress(queue.Full):
-            self._jobs.put(None, timeout=timeout)
-        self._thread.join(timeout)
+log = logging.getLogger(__name__)
 
 
 class Sink:
@@ -295,12 +102,11 @@ class Sink:
         self.settings = s = settings
         self.database = s.database
         self.stats = SinkStats()
-        self.codec = Codec()  # the loop's (in-process mapping)
-        self._writer_codec = Codec()  # the writer's (records of a rejected batch, one by one)
+        self.codec = build_codec(s)  # the loop's (in-process mapping)
         self._topics = s.topic_names()
         self._stop = threading.Event()
         self._cutters: dict[tuple[str, int], BatchCutter] = {}
-        # partitions whose re-read batches are checked against the tables (sink_verify.py)
+        # partitions whose re-read batches are checked against the tables (verify.py)
         self._verifying: set[tuple[str, int]] = set()
         self._client = client if client is not None else chstore.connect(s.clickhouse_url)
         self._owns_client = client is None
@@ -317,21 +123,20 @@ class Sink:
         if s.sink_instance_id:
             conf["group.instance.id"] = s.sink_instance_id
         self.consumer = Consumer(conf)
-        self.producer = Producer(
-            {
-                **s.kafka_config(),
-                "enable.idempotence": True,
-                "acks": "all",
-                "linger.ms": 5,
-                "message.max.bytes": 20_000_000,
-            }
+        self._dead_letters = DeadLetters(s)
+        self._batch_store = BatchStore(
+            s,
+            self._client,
+            codec=build_codec(s),  # the writer thread's own (records of a rejected batch)
+            dead_letters=self._dead_letters,
+            stats=self.stats,
+            verifying=self._verifying,
         )
-        self._dlq_errors: list[str] = []
         self._last_stats = time.monotonic()
-        self._writer: _Writer | None = None
+        self._writer: WriterThread | None = None
         self._pool: MapPool | None = None
         if s.sink_map_workers > 0:
-            self._pool = MapPool(s.sink_map_workers)
+            self._pool = MapPool(s.sink_map_workers, s)
             try:
                 self._pool.warm_up()
             except BaseException:
@@ -383,7 +188,9 @@ class Sink:
             on_lost=self._on_revoke,
         )  # fmt: skip
         log.info("sink ready: %s -> %s (group %s)", sorted(self._topics), self.database, s.group_id)
-        self._writer = writer = _Writer(self._store, s.sink_pipeline_depth + s.sink_map_workers)
+        self._writer = writer = WriterThread(
+            self._batch_store.store, s.sink_pipeline_depth + s.sink_map_workers
+        )
         self.ready.set()
         try:
             while not self._stop.is_set():
@@ -402,7 +209,7 @@ class Sink:
                     if cutter is None:  # not assigned any more (a revoke raced the fetch)
                         continue
                     value = msg.value()
-                    cut = cutter.add(_offset(msg), len(value) if value else 0, msg, now)
+                    cut = cutter.add(message_offset(msg), len(value) if value else 0, msg, now)
                     if cut:
                         ready += cut
                 if msgs and not self.stats.messages:
@@ -480,7 +287,7 @@ class Sink:
         GIL); map workers get every batch at once."""
         assert self._writer is not None
         early = [self._map(b) if self._pool is not None else None for b in batches]
-        partial: list[tuple[RawBatch, _Mapped | None]] = []
+        partial: list[tuple[RawBatch, Mapped | None]] = []
         for batch, mapped in zip(batches, early, strict=True):
             if batch.partial:
                 partial.append((batch, mapped))
@@ -492,14 +299,14 @@ class Sink:
         offsets = self._done_offsets()
         for b, _ in partial:
             offsets[(b.topic, b.partition)] = (b.first, f"{INTENT_PREFIX}{b.last}")
-        self._finish_dead_letters()
+        self._dead_letters.finish()
         if not self._commit(offsets):
             return  # a rebalance is coming: partial batches are not stored without an intent
         self.stats.intents += len(partial)
         for batch, mapped in partial:
             self._submit(mapped or self._map(batch))
 
-    def _submit(self, mapped: _Mapped) -> None:
+    def _submit(self, mapped: Mapped) -> None:
         """Hand a batch to the writer, committing what it has inserted while waiting."""
         assert self._writer is not None
         while True:
@@ -517,7 +324,7 @@ class Sink:
     def _commit_done(self) -> None:
         offsets = self._done_offsets()
         if offsets:
-            self._finish_dead_letters()
+            self._dead_letters.finish()
             if self.settings.sink_debug_commit_delay_s:
                 time.sleep(self.settings.sink_debug_commit_delay_s)
             self._commit(offsets)
@@ -536,198 +343,25 @@ class Sink:
         log.debug("committed %s", ", ".join(f"{t}:{p}:{o}:{m}" for t, p, o, m in _tps(tps)))
         return True
 
-    def _map(self, batch: RawBatch) -> _Mapped:
+    def _map(self, batch: RawBatch) -> Mapped:
         """Decode and map the batch here, or hand it to a worker (``sink_map_workers``)."""
         kind = self._topics[batch.topic]
         items: list[Message] = batch.items
         job = MapJob(
             batch.topic, batch.partition, kind, batch.token,
-            [_offset(m) for m in items], [m.value() for m in items],
+            [message_offset(m) for m in items], [m.value() for m in items],
             None if kind == "events" else [max(m.timestamp()[1], 0) * 1000 for m in items],
         )  # fmt: skip
         if self._pool is not None:
-            return _Mapped(batch, future=self._pool.submit(job))
-        return _Mapped(batch, result=map_columns(job, self.codec))
-
-    def _store(self, mapped: _Mapped) -> None:
-        """(Writer thread.) Dead-letter the batch's bad records, then insert its rows."""
-        batch, result = mapped.batch, mapped.wait()
-        if result.token != batch.token:  # cannot happen: map_columns counts every offset
-            raise SinkError(f"batch token {result.token} != {batch.token}")
-        for index, code, reason, kind in result.bad:
-            self._dead_letter(batch.items[index], reason, code, kind)
-        key = (batch.topic, batch.partition)
-        verify = key in self._verifying
-        try:
-            if result.arrow_error is not None:
-                raise chstore.InsertError(
-                    result.arrow_error, table="", token=batch.token, retryable=False
-                )
-            if result.arrow is not None:
-                tables = result.arrow
-            elif result.columns is not None:
-                tables = result.columns.arrow()
-            elif result.rows:
-                tables = chstore.arrow_tables(result.rows, batch.token)
-            else:
-                tables = {}
-            if not verify:
-                self._insert_arrow(tables, batch.token)
-            elif tables and not self._insert_verified(batch, batch.first, batch.last, tables):
-                self._verifying.discard(key)  # nothing of it was stored: never attempted after
-        except chstore.InsertError as exc:
-            if exc.retryable:
-                raise
-            log.warning(
-                "batch %s rejected (%s): inserting its records one by one", batch.token, exc
-            )
-            self.stats.split_batches += 1
-            self._store_one_by_one(batch, {index for index, *_ in result.bad}, verify)
-        self.stats.batches += 1
-        self.stats.last_insert_at = time.monotonic()
-        for table, n in result.counts.items():
-            self.stats.rows[table] = self.stats.rows.get(table, 0) + n
-        log.debug(
-            "inserted %s (%d messages, %d rows)", batch.token, len(batch.items), result.num_rows
-        )
-
-    def _store_one_by_one(self, batch: RawBatch, bad: set[int], verify: bool = False) -> None:
-        """A rejected batch: each record that mapped is inserted alone (token
-        ``topic:partition:o:o``; checked against the tables first when ``verify``); the ones the
-        server rejects go to the DLQ (``rejected``)."""
-        expect = EXPECT[self._topics[batch.topic]]
-        for index, msg in enumerate(batch.items):
-            if index in bad:
-                continue
-            record = self._writer_codec.decode(msg.value(), expect=expect)
-            one = RowBatch(batch.topic, batch.partition)
-            one.add(record, _offset(msg), timestamp_us=max(msg.timestamp()[1], 0) * 1000)
-            try:
-                if not verify:
-                    self._insert(one)
-                elif one.tables:
-                    offset = _offset(msg)
-                    tables = chstore.arrow_tables(one.tables, one.token)
-                    self._insert_verified(batch, offset, offset, tables, one.token)
-            except chstore.InsertError as err:
-                if err.retryable:
-                    raise
-                self._dead_letter(msg, str(err), "rejected", type(record).__name__)
-
-    def _insert(self, rows: RowBatch) -> None:
-        if rows.tables:
-            self._insert_arrow(chstore.arrow_tables(rows.tables, rows.token), rows.token)
-
-    def _insert_verified(
-        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any], token: str = ""
-    ) -> bool:
-        """Store the rows of offsets ``first..last`` of the batch's partition (``token``: their
-        dedup token, the batch's by default) without trusting the token: the rows go in under
-        their own token (ClickHouse drops what it holds under it, and the materialized views
-        see every row, as on any retry), then what is still missing — the rows of a poisoned
-        token — under a fresh one. Never a fresh token first: rows stored under a token no
-        later attempt knows would be stored again by that attempt's re-send (the own token, by
-        contrast, is for each table either stored with its rows or poisoned, and a re-send
-        under it adds nothing either way). Returns whether any row was stored already."""
-        token = token or batch.token
-        self.stats.verified_batches += 1
-        stored = sum(self._present(batch, first, last, tables, sink_verify.present_count).values())
-        self.stats.verified_rows_present += stored
-        self._insert_arrow(tables, token)
-        # a record gives at most one row per table: a table holding as many of the batch's
-        # offsets as it has rows is complete; the offsets are fetched only for the others
-        counts = self._present(batch, first, last, tables, sink_verify.present_count)
-        short = {name: t for name, t in tables.items() if counts[name] < t.num_rows}
-        offsets = self._present(batch, first, last, short, sink_verify.present_offsets)
-        tables = sink_verify.missing_rows(short, offsets)
-        if tables:
-            self._insert_arrow(tables, sink_verify.fresh_token(token))
-        log.debug("verified %s[%d..%d]: %d rows stored already", token, first, last, stored)
-        return stored > 0
-
-    def _present(
-        self, batch: RawBatch, first: int, last: int, tables: dict[str, Any], ask: Callable[..., T]
-    ) -> dict[str, T]:
-        """``ask`` (sink_verify.present_count or present_offsets) for each table."""
-        return {
-            name: self._retrying(
-                f"verify of {batch.token}",
-                functools.partial(
-                    ask, self._client, self.database, name, batch.topic, batch.partition, first,
-                    last,
-                ),
-            )
-            for name in tables
-        }  # fmt: skip
-
-    def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, retried with backoff for ``sink_insert_retry_s`` on a transport failure (a
-        QueryError, or a retryable InsertError); a rejected insert is raised at once."""
-        deadline = time.monotonic() + self.settings.sink_insert_retry_s
-        delay = 0.2
-        while True:
-            try:
-                return fn()
-            except (chstore.QueryError, chstore.InsertError) as exc:
-                if isinstance(exc, chstore.InsertError) and not exc.retryable:
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise InsertRetryError(f"{what} kept failing: {exc}") from exc
-                self.stats.insert_retries += 1
-                log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    def _insert_arrow(self, tables: dict[str, Any], token: str) -> None:
-        """Insert with the batch's token; a retryable failure is retried with backoff."""
-        if tables:
-            self._retrying(
-                f"insert of {token}",
-                lambda: chstore.insert_arrow_tables(
-                    self._client, tables, token, database=self.database
-                ),
-            )
-
-    def _dead_letter(self, msg: Message, reason: str, code: str, kind: str) -> None:
-        headers = dlq_headers(
-            msg, reason=reason, code=code, kind=kind, processor=self.settings.group_id
-        )
-
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                self._dlq_errors.append(str(err))
-
-        while True:
-            try:
-                self.producer.produce(
-                    self.settings.topics().dlq, value=msg.value(), key=msg.key(),
-                    headers=headers, on_delivery=delivered,
-                )  # fmt: skip
-                break
-            except BufferError:
-                self.producer.poll(0.1)
-        self.stats.dead_letters += 1
-        log.warning(
-            "dead-lettered %s[%d]@%d (%s): %s", msg.topic(), msg.partition(), msg.offset(),
-            code, reason,
-        )  # fmt: skip
-
-    def _finish_dead_letters(self) -> None:
-        if self.stats.dead_letters == 0:
-            return
-        left = self.producer.flush(30)
-        if left or self._dlq_errors:
-            errors, self._dlq_errors = self._dlq_errors, []
-            raise DeadLetterError(
-                f"dead-letter records not delivered ({left} pending): {errors[:3]}"
-            )
+            return Mapped(batch, future=self._pool.submit(job))
+        return Mapped(batch, result=map_columns(job, self.codec))
 
     def close(self) -> None:
         try:
             self.consumer.close()
         except (KafkaException, RuntimeError) as exc:
             log.warning("closing the consumer: %s", exc)
-        self.producer.flush(10)
+        self._dead_letters.close()
         if self._pool is not None:
             self._pool.close()
         if self._owns_client:
@@ -738,39 +372,35 @@ def _tps(tps: Iterable[TopicPartition]) -> Sequence[tuple[str, int, int, str]]:
     return [(tp.topic, tp.partition, tp.offset, tp.metadata or "") for tp in tps]
 
 
-def run(settings: SinkSettings) -> SinkStats:
-    """Create missing topics, open the store (migrations), serve analytics in a thread (when
-    enabled) and consume until SIGTERM / SIGINT."""
+def run(
+    settings: SinkSettings,
+    *,
+    beside: Callable[[Sink], AbstractContextManager[object]] | None = None,
+) -> SinkStats:
+    """Create missing topics, open the store (migrations) and consume until SIGTERM / SIGINT
+    (signal handlers are installed when called from the main thread). A ``sink_log_level``
+    other than info sets the level of the store's loggers. ``beside(sink)`` is entered once
+    the store is open and exited after the loop has stopped: what runs next to the loop in this
+    process (the analytics server of ``rollstream sink``; the store does not know what it is)."""
     from rollstream.adapters.topics import ensure_topics
-    from rollstream.consumers.analytics.server import serve
 
+    level = logging.getLevelNamesMapping().get(settings.sink_log_level.upper())
+    if level is None:
+        raise SinkError(f"sink_log_level {settings.sink_log_level!r} is not a log level")
+    if level != logging.INFO:  # info: as the process's logging says (rollstream -v sink: debug)
+        logging.getLogger("rollstream.consumers.store").setLevel(level)
     ensure_topics(settings)
     sink = Sink(settings)
-    server = None
-    if settings.analytics_enabled:
-        server = serve(settings, stats=sink.stats.as_dict)
-        log.info("analytics at %s", server.url)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: sink.stop())
-    try:
-        return sink.run()
-    finally:
-        if server is not None:
-            server.stop()
-
-
-def main() -> int:
-    settings = SinkSettings()
-    logging.basicConfig(
-        level=settings.sink_log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    stats = run(settings)
+    with contextlib.ExitStack() as stack:
+        try:
+            if beside is not None:
+                stack.enter_context(beside(sink))
+        except BaseException:
+            sink.close()  # the loop never ran: it closes the clients when it does
+            raise
+        stats = sink.run()
     log.info("sink stopped: %s", stats.as_dict())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return stats

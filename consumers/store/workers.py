@@ -7,12 +7,13 @@
     map_batch(job, codec)       decode + map to row tuples (pure: Codec and rows.RowBatch)
     map_columns(job, codec)     decode + map to columns (columnar.ColumnBatch): the sink's path
     mapping_gc()                a context: the cyclic GC's young generation sized for batches
-    MapPool(workers)            ``submit(job) -> Future[MapResult]``: decode + map + Arrow tables
+    MapPool(workers, settings)  ``submit(job) -> Future[MapResult]``: decode + map + Arrow tables
                                 in ``workers`` processes (``python -m`` this module: they open no
-                                Kafka client and no ClickHouse; they exit when the sink's end of
-                                their pipe closes, so they do not outlive a SIGKILLed sink)
+                                Kafka client and no ClickHouse; they build their Codec from the
+                                sink's settings (``build_codec``); they exit when the sink's end
+                                of their pipe closes, so they do not outlive a SIGKILLed sink)
 
-Batch boundaries are cut before decoding (sink_batches.py), so where a batch is decoded does not
+Batch boundaries are cut before decoding (batches.py), so where a batch is decoded does not
 change its offsets or its dedup token: the writer thread takes the results in the order the loop
 cut the batches and inserts them in that order.
 """
@@ -34,10 +35,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from rollstream.consumers.store.rows import RowBatch, RowError, TableRows
-from rollstream.schemas import Codec, DecodeError, Event, PolicyVersion, Sample, Trajectory
+from rollstream.adapters.codecs import build_codec
+from rollstream.consumers.errors import RowError
+from rollstream.consumers.store.rows import RowBatch
+from rollstream.consumers.store.tables import TableRows
+from rollstream.schemas import (
+    Codec,
+    CommonSettings,
+    DecodeError,
+    Event,
+    PolicyVersion,
+    Sample,
+    Trajectory,
+)
+from rollstream.schemas.dlq import CODE_UNDECODABLE
 
 __all__ = [
+    "CODE_UNMAPPABLE",
     "EXPECT",
     "MapJob",
     "MapPool",
@@ -48,6 +62,8 @@ __all__ = [
     "mapping_gc",
     "worker_main",
 ]
+
+CODE_UNMAPPABLE = "unmappable"  # decoded, but the row mapper refused it (a RowError)
 
 # contract topic name -> the record type its messages hold
 EXPECT: dict[str, type[Any]] = {
@@ -76,7 +92,8 @@ class MapJob:
 class MapResult:
     """A batch's rows (``rows``: map_batch), columns (``columns``: map_columns, in process) or
     Arrow tables (``arrow``: from a worker); the records that could not be stored as ``(index
-    in the batch, code, reason, kind)`` with code ``undecodable`` or ``unmappable``;
+    in the batch, code, reason, kind)`` with code ``undecodable`` (CODE_UNDECODABLE) or
+    ``unmappable`` (CODE_UNMAPPABLE);
     ``arrow_error``: the rows did not fit their columns (the writer treats it as a rejected
     batch)."""
 
@@ -105,12 +122,12 @@ def _map_into(job: MapJob, codec: Codec, rows: Any) -> list[tuple[int, str, str,
             record = decode(value, expect)
         except DecodeError as exc:
             rows.skip(offset)
-            bad.append((i, "undecodable", exc.reason, ""))
+            bad.append((i, CODE_UNDECODABLE, exc.reason, ""))
             continue
         try:
             add(record, offset, timestamp_us=stamps[i] if stamps is not None else 0)
         except RowError as exc:
-            bad.append((i, "unmappable", exc.reason, exc.kind))
+            bad.append((i, CODE_UNMAPPABLE, exc.reason, exc.kind))
     if job.offsets and rows.token != job.token:  # cannot happen: every offset is counted
         raise ValueError(f"mapped token {rows.token} != batch token {job.token}")
     return bad
@@ -189,8 +206,9 @@ def mapping_gc(threshold: int = MAPPING_GC_THRESHOLD) -> Iterator[None]:
 
 # --- the pool ------------------------------------------------------------------------------
 #
-# Workers are ``python -m rollstream.consumers.store.workers`` subprocesses that read pickled
-# MapJobs from stdin and write pickled MapResults to stdout (8-byte length, then the pickle).
+# Workers are ``python -m rollstream.consumers.store.workers`` subprocesses that read the
+# sink's settings (a CommonSettings: what build_codec needs), then pickled MapJobs, from stdin
+# and write pickled MapResults to stdout (each frame an 8-byte length, then the pickle).
 # Not multiprocessing: its spawned children re-import the parent's __main__, which is any
 # script that happens to build a Sink.
 
@@ -216,13 +234,18 @@ def _read_frame(inp: BinaryIO) -> Any:
 
 
 def worker_main() -> None:
-    """A worker: MapJobs in on stdin, MapResults (or the exception) out on stdout. It ends at
-    EOF: when the sink closes the pipe or dies (even by SIGKILL: the kernel closes its end)."""
+    """A worker: the settings, then MapJobs, in on stdin; MapResults (or the exception) out on
+    stdout. It ends at EOF: when the sink closes the pipe or dies (even by SIGKILL: the kernel
+    closes its end)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the sink decides when to stop
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write to the result pipe
     gc.set_threshold(MAPPING_GC_THRESHOLD, *gc.get_threshold()[1:])  # a worker only maps
-    codec = Codec()
+    try:
+        settings: CommonSettings = _read_frame(inp)
+    except (EOFError, OSError):
+        os._exit(0)
+    codec = build_codec(settings)
     while True:
         try:
             job = _read_frame(inp)
@@ -241,12 +264,13 @@ def worker_main() -> None:
 class _Worker:
     """One worker process and the thread that feeds it jobs and resolves their futures."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, settings: CommonSettings) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        self.settings = settings  # the first frame the worker reads
         self.jobs: queue.SimpleQueue[tuple[MapJob, Future[MapResult]] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"sink-map-{index}", daemon=True)
         self.thread.start()
@@ -254,6 +278,10 @@ class _Worker:
     def _run(self) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         broken: BaseException | None = None
+        try:
+            _write_frame(self.proc.stdin, self.settings)  # type: ignore[arg-type]
+        except OSError as exc:
+            broken = RuntimeError(f"map worker {self.proc.pid} died: {exc}")
         while True:
             item = self.jobs.get()
             if item is None:
@@ -288,12 +316,17 @@ class _Worker:
 
 class MapPool:
     """``workers`` processes that decode and map batches (``map_to_arrow``); jobs go to them in
-    turn. A worker that dies fails its jobs (the sink stops; a restart re-reads the batches)."""
+    turn. Each builds its Codec from ``settings`` (``build_codec``: the common settings are
+    sent, not the sink's own). A worker that dies fails its jobs (the sink stops; a restart
+    re-reads the batches)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, settings: CommonSettings) -> None:
         if workers < 1:
             raise ValueError("a MapPool needs at least one worker")
-        self._workers = [_Worker(i) for i in range(workers)]
+        common = CommonSettings.model_construct(
+            **{name: getattr(settings, name) for name in CommonSettings.model_fields}
+        )  # picklable without the sink's modules, and read from no environment
+        self._workers = [_Worker(i, common) for i in range(workers)]
         self._next = 0
 
     def warm_up(self, timeout: float = 60.0) -> None:

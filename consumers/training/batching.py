@@ -9,8 +9,8 @@ Pure logic over ``rollstream.schemas.Sample``; no Kafka. The trainer's loop is
 The batcher keeps arrival order (it never reorders samples), so "everything up to offset X
 has been batched" stays true for the trainer's offset checkpoints.
 
-Errors:
-    ValueError
+Errors (rollstream.consumers.errors):
+    ConsumerError, ValueError
     └── BatchingError   a sample that cannot be batched (inconsistent arrays, a masked token
                         with no predecessor, a tree not in DFS pre-order, longer than the budget)
 """
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollstream.consumers.errors import BatchingError, TreeError
 from rollstream.consumers.training.treepack import (
-    TreeError,
     sequence_path_counts,
     subtree_ends,
     tree_path_counts,
@@ -39,10 +39,6 @@ __all__ = [
     "collate",
     "validate_sample",
 ]
-
-
-class BatchingError(ValueError):
-    """A sample that cannot be batched; the message names the sample_id."""
 
 
 # ---- staleness --------------------------------------------------------------------------------

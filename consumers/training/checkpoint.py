@@ -26,10 +26,8 @@ The model dir is a plain transformers checkpoint (``AutoModelForCausalLM.from_pr
 the reference server's ``/v1/load_weights`` read it; so does vLLM when the tokenizer files of
 the base model are copied in, which ``save`` does with ``copy_from``).
 
-Errors::
-
-    CheckpointError     root of this module: a root that is not a consistent
-                        store, a checkpoint that does not fit the model
+Errors: ``CheckpointError`` (rollstream.consumers.errors): a root that is not a consistent
+store, a checkpoint that does not fit the model.
 """
 
 from __future__ import annotations
@@ -50,6 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from rollstream.consumers.errors import CheckpointError
+
 __all__ = [
     "LATEST",
     "Checkpoint",
@@ -68,10 +68,6 @@ _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _WRITTEN_BY_SAVE = {"config.json", "generation_config.json", "rollstream.json"}
-
-
-class CheckpointError(Exception):
-    """Root of rollstream.consumers.training.checkpoint."""
 
 
 @dataclass(slots=True)

@@ -4,9 +4,11 @@
 SampleSource is one confluent-kafka consumer in a consumer group over ``Topics(ns).samples``:
     poll -> decode (Codec, expect=Sample) -> validate (batching.validate_sample, token limit)
 Records that fail are sent to the dead-letter topic ``Topics(ns).dlq`` unchanged (same key and
-value) with headers ``reason``, ``original_topic``, ``original_partition``, ``original_offset``,
-``stage``; they come back from ``poll`` with ``sample=None`` so the caller still accounts for
-their offsets. A bad record never raises. Auto-commit is off: whoever uses the source decides
+value) with the headers of the one dead-letter contract (``rollstream.schemas.dlq``): code
+``undecodable`` (not a Sample) or ``invalid`` (a Sample that cannot be trained: inconsistent
+arrays, over the token budget), kind ``Sample``, stage ``trainer`` or ``dataset``, processor the
+consumer group; they come back from ``poll`` with ``sample=None`` so the caller still accounts
+for their offsets. A bad record never raises. Auto-commit is off: whoever uses the source decides
 what an offset commit means. Where each assigned partition starts is decided at assignment:
 ``positions`` (the trainer's checkpoint offsets) first, then ``start`` (earliest, latest, or the
 group's committed offset).
@@ -28,11 +30,8 @@ Each DataLoader worker opens its own consumer in the group, so the group splits 
 between workers and every record is read by one of them (use num_workers <= partitions).
 The group id is namespaced like the topics (``<namespace>.<group_id>``).
 
-Errors::
-
-    SourceError     root of rollstream.consumers.training.dataset: the Kafka client failed (a fatal
-                    consumer error, a dead-letter record that could not be delivered, a commit
-                    that failed)
+Errors: ``SourceError`` (rollstream.consumers.errors): the Kafka client failed (a fatal
+consumer error, a dead-letter record that could not be delivered, a commit that failed).
 """
 
 from __future__ import annotations
@@ -55,13 +54,12 @@ from confluent_kafka import (
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
-from rollstream.consumers.training.batching import (
-    BatchingError,
-    TokenBudgetBatcher,
-    validate_sample,
-)
+from rollstream.adapters.codecs import build_codec
+from rollstream.consumers.errors import BatchingError, SourceError
+from rollstream.consumers.training.batching import TokenBudgetBatcher, validate_sample
 from rollstream.consumers.training.batching import collate as collate_samples
 from rollstream.schemas import Codec, CommonSettings, DecodeError, Sample
+from rollstream.schemas.dlq import CODE_INVALID, CODE_UNDECODABLE, dlq_headers
 
 __all__ = [
     "DATASET_GROUP",
@@ -75,10 +73,6 @@ __all__ = [
 
 Start = Literal["earliest", "latest", "committed"]
 DATASET_GROUP = "rollstream-dataset-v1"
-
-
-class SourceError(Exception):
-    """Root of rollstream.consumers.training.dataset: the Kafka client failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +114,9 @@ class SampleSource:
         self.topic = topics.samples
         self.dlq_topic = topics.dlq
         self.stage = stage
+        self.group_id = group_id
         self.max_tokens = max_tokens
-        self.codec = codec or Codec()
+        self.codec = codec or build_codec(settings)
         self.start = start
         self._positions = positions
         self._on_revoke_hook = on_revoke
@@ -215,29 +210,38 @@ class SampleSource:
         nbytes = 0 if value is None else len(value)
         try:
             sample: Sample = self.codec.decode(value, expect=Sample)
+        except DecodeError as exc:
+            self.dead_letter(msg, str(exc), CODE_UNDECODABLE)
+            return Polled(partition, offset, None, nbytes)
+        try:
             validate_sample(sample)
             if self.max_tokens is not None and len(sample.input_ids) > self.max_tokens:
                 raise BatchingError(
                     f"sample {sample.sample_id}: {len(sample.input_ids)} tokens exceed the "
                     f"token budget {self.max_tokens}"
                 )
-        except (DecodeError, BatchingError) as exc:
-            self.dead_letter(msg, str(exc))
+        except BatchingError as exc:
+            self.dead_letter(msg, str(exc), CODE_INVALID)
             return Polled(partition, offset, None, nbytes)
         return Polled(partition, offset, sample, nbytes)
 
     # -- dead letters
 
-    def dead_letter(self, msg: Message, reason: str) -> None:
-        """Send the record, unchanged, to the DLQ with the reason in headers (asynchronous;
-        ``flush`` waits and raises if any could not be delivered)."""
-        headers = [
-            ("reason", reason.encode()),
-            ("original_topic", (msg.topic() or self.topic).encode()),
-            ("original_partition", str(msg.partition()).encode()),
-            ("original_offset", str(msg.offset()).encode()),
-            ("stage", self.stage.encode()),
-        ]
+    def dead_letter(self, msg: Message, reason: str, code: str = CODE_INVALID) -> None:
+        """Send the record, unchanged, to the DLQ with the dead-letter headers (``code``:
+        CODE_UNDECODABLE or CODE_INVALID; asynchronous: ``flush`` waits and raises if any could
+        not be delivered)."""
+        partition, offset = msg.partition(), msg.offset()
+        headers = dlq_headers(
+            reason=reason,
+            code=code,
+            kind="Sample",
+            topic=msg.topic() or self.topic,
+            partition=-1 if partition is None else partition,
+            offset=-1 if offset is None else offset,
+            stage=self.stage,
+            processor=self.group_id,
+        )
 
         def delivered(err: KafkaError | None, _msg: Message) -> None:
             if err is not None:

@@ -28,33 +28,30 @@ Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the 
 ``optimizer`` (weights updated in memory, nothing written), ``checkpoint`` (checkpoint written
 to its temp dir, not committed), ``committed`` (committed, not published), ``published``.
 
-Errors::
+Settings: ``settings.TrainerSettings``; the step (model, optimizer, ``train_step``): step.py;
+both re-exported here. ``rollstream train`` runs ``main``.
 
-    TrainerError        root of this module: a PolicyVersion that could not be
-                        published, a bad setting
-    (also raised through run: checkpoint.CheckpointError, dataset.SourceError)
+Errors (rollstream.consumers.errors): ``TrainerError`` (a PolicyVersion that could not be
+published, a bad setting); also raised through run: ``CheckpointError``, ``SourceError``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
-from pydantic_settings import SettingsConfigDict
-from torch import Tensor, nn
 
+from rollstream.adapters.codecs import build_codec
+from rollstream.consumers.errors import TrainerError
 from rollstream.consumers.training.batching import StalenessFilter, TokenBudgetBatcher, collate
 from rollstream.consumers.training.checkpoint import (
     Checkpoint,
@@ -63,9 +60,9 @@ from rollstream.consumers.training.checkpoint import (
     Manifest,
 )
 from rollstream.consumers.training.dataset import Polled, SampleSource, close_producer
-from rollstream.consumers.training.ppo import LossConfig, Normalization, batch_loss
-from rollstream.consumers.training.treepack import batch_token_logprobs
-from rollstream.schemas import Codec, CommonSettings, DecodeError, PolicyVersion
+from rollstream.consumers.training.settings import DEBUG_STAGES, TRAINER_GROUP, TrainerSettings
+from rollstream.consumers.training.step import build_optimizer, load_policy, train_step
+from rollstream.schemas import CommonSettings, DecodeError, PolicyVersion
 
 __all__ = [
     "DEBUG_STAGES",
@@ -84,75 +81,6 @@ __all__ = [
 
 log = logging.getLogger("rollstream.trainer")
 
-TRAINER_GROUP = "rollstream-trainer-v1"
-DEBUG_STAGES = ("optimizer", "checkpoint", "committed", "published")
-
-
-class TrainerError(Exception):
-    """Root of rollstream.consumers.training.trainer."""
-
-
-class TrainerSettings(CommonSettings):
-    """Settings of the trainer (ROLLSTREAM_*; trainer-only ones are ROLLSTREAM_TRAIN_*).
-    An optional setting is unset with the value ``none`` (ROLLSTREAM_TRAIN_MAX_GRAD_NORM=none)."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
-    )
-
-    model_path: Path | None = None  # initial weights; default <home>/models/tiny (as the server)
-    model_create: bool = True  # create the tiny model at model_path when none is there
-    checkpoint_dir: Path | None = None  # default <home>/checkpoints
-    checkpoint_keep: int = 3
-    checkpoint_fsync: bool = True
-    train_group_id: str = TRAINER_GROUP
-    train_instance_id: str | None = "trainer-0"  # static group membership: fast restarts
-    train_lr: float = 1e-5
-    train_weight_decay: float = 0.0
-    train_max_grad_norm: float | None = 1.0
-    train_token_budget: int = 16384  # padded tokens (B * T_max) per step
-    train_batch_samples: int | None = None  # cap on samples per step
-    train_max_staleness: int = 4
-    train_clip_low: float = 0.2
-    train_clip_high: float = 0.28
-    train_normalization: Normalization = "rollout"
-    train_max_steps: int | None = None  # total steps (a restart continues towards it)
-    train_device: str = "cpu"
-    train_attn_implementation: str | None = None  # default: the model's (sdpa)
-    train_torch_threads: int | None = None
-    train_seed: int = 0
-    train_start: Literal["earliest", "latest"] = "earliest"  # partitions with no checkpoint
-    train_poll_timeout_s: float = 0.5
-    train_poll_records: int = 500
-    train_flush_idle_s: float | None = 5.0  # train a partial batch after this long idle
-    train_exit_idle_s: float | None = None  # return after this long idle with nothing pending
-    train_session_timeout_ms: int = 6000
-    train_max_poll_interval_ms: int = 1_800_000
-    train_commit_offsets: bool = True  # commit to the group after each checkpoint (lag)
-    train_publish_timeout_s: float = 30.0
-    train_debug_pause: str | None = None  # "STAGE:STEP", see the module docstring
-    train_debug_pause_s: float = 3600.0
-
-    def resolved_model_path(self) -> Path:
-        return self.model_path if self.model_path is not None else self.home / "models" / "tiny"
-
-    def resolved_checkpoint_dir(self) -> Path:
-        return self.checkpoint_dir if self.checkpoint_dir is not None else self.home / "checkpoints"
-
-    def loss_config(self) -> LossConfig:
-        return LossConfig(self.train_clip_low, self.train_clip_high, self.train_normalization)
-
-    def debug_pause(self) -> tuple[str, int] | None:
-        if not self.train_debug_pause:
-            return None
-        stage, _, step = self.train_debug_pause.partition(":")
-        if stage not in DEBUG_STAGES or not step.isdigit():
-            raise TrainerError(
-                f"train_debug_pause must be STAGE:STEP with STAGE in {DEBUG_STAGES}, "
-                f"got {self.train_debug_pause!r}"
-            )
-        return stage, int(step)
-
 
 @dataclass
 class TrainResult:
@@ -166,56 +94,6 @@ class TrainResult:
     checkpoint: Path | None
     wall_s: float
     metrics: dict[str, float] = field(default_factory=dict)  # of the last step
-
-
-# ---- the step ---------------------------------------------------------------------------------
-
-
-def load_policy(settings: TrainerSettings) -> nn.Module:
-    """The model to train, from ``model_path`` (created as the tiny model when allowed)."""
-    from transformers import AutoModelForCausalLM
-
-    path = settings.resolved_model_path()
-    if settings.model_create:
-        from rollstream.inference.tinymodel import ensure_tiny_model
-
-        ensure_tiny_model(path, seed=settings.train_seed)
-    kwargs: dict[str, Any] = {"dtype": torch.float32, "local_files_only": True}
-    if settings.train_attn_implementation:
-        kwargs["attn_implementation"] = settings.train_attn_implementation
-    model: nn.Module = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return model.to(torch.device(settings.train_device)).train()
-
-
-def build_optimizer(model: nn.Module, settings: TrainerSettings) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=settings.train_lr, weight_decay=settings.train_weight_decay)
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Mapping[str, Tensor],
-    config: LossConfig,
-    max_grad_norm: float | None = 1.0,
-) -> dict[str, float]:
-    """One PPO step on a collated batch (already on the model's device): forward, loss,
-    backward, clip, AdamW. Returns the loss stats as floats; ``skipped`` is 1 when the gradient
-    was not finite and the weights were left unchanged."""
-    model.train()
-    logp = batch_token_logprobs(model, batch)  # (B, T), token-indexed like old_logprobs
-    loss, stats = batch_loss(logp, batch, config)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))
-    finite = math.isfinite(norm)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "grad_norm": norm, "skipped": float(not finite)} | {
-        k: float(v) for k, v in stats.items()
-    }
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -247,7 +125,7 @@ class Trainer:
         self.device = torch.device(s.train_device)
         self.loss_config = s.loss_config()
         self.topics = s.topics()
-        self.codec = Codec()
+        self.codec = build_codec(s)
         self.store = CheckpointStore(
             s.resolved_checkpoint_dir(), keep=s.checkpoint_keep, fsync=s.checkpoint_fsync
         )
@@ -527,7 +405,7 @@ def last_published_version(settings: CommonSettings, timeout: float = 10.0) -> i
             "enable.auto.commit": False,
         }
     )
-    codec = Codec()
+    codec = build_codec(settings)
     try:
         meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
         if meta is None or meta.error is not None:
@@ -564,22 +442,16 @@ def run(settings: TrainerSettings) -> TrainResult:
         return trainer.run()
 
 
-def main(settings: TrainerSettings | None = None) -> int:
-    """``python -m`` this module (and ``rollstream train``): settings from the
-    environment unless given; SIGTERM and SIGINT stop after the current step; prints the
-    TrainResult as one JSON line."""
+def main(settings: TrainerSettings) -> int:
+    """``rollstream train``: ``run`` with SIGTERM and SIGINT stopping it after the current step;
+    prints the TrainResult as one JSON line on stdout."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no per-checkpoint progress bars in the trainer's log
-    settings = settings if settings is not None else TrainerSettings()
     with Trainer(settings) as trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: trainer.stop())
         result = trainer.run()
     print(json.dumps(asdict(result), default=str), file=sys.stdout, flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

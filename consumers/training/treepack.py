@@ -25,8 +25,8 @@ Every operation is vectorized over a (B, T) batch (O(T log T) per sample, no per
 loop); padding tokens must be roots (-1) after the real tokens. The attention mask is dense
 (B, 1, T, T): tree mode is for trees that fit one dense attention matrix.
 
-Errors:
-    ValueError
+Errors (rollstream.consumers.errors):
+    ConsumerError, ValueError
     └── TreeError   parent_indices that are not a DFS pre-order forest
 """
 
@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from rollstream.consumers.errors import TreeError
 
 __all__ = [
     "PathCounts",
@@ -53,10 +55,6 @@ __all__ = [
     "tree_path_counts",
     "tree_token_logprobs",
 ]
-
-
-class TreeError(ValueError):
-    """parent_indices that do not describe a forest in DFS pre-order."""
 
 
 class PathCounts(NamedTuple):

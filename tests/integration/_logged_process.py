@@ -14,14 +14,19 @@ from rollstream.schemas import CommonSettings
 
 
 class LoggedProcess:
-    """``python -m MODULE`` with ``settings`` (Kafka, namespace, a home under ``tmp_path``)
-    and ``env`` (full ROLLSTREAM_ names) on top of the test's own environment."""
+    """``rollstream ARGS...`` (``python -m rollstream.infra.cli``) with ``settings`` (Kafka,
+    namespace, a home under ``tmp_path``) and ``env`` (full ROLLSTREAM_ names) on top of the
+    test's own environment."""
 
     def __init__(
-        self, module: str, settings: CommonSettings, tmp_path: Path, log_name: str,
+        self,
+        args: list[str],
+        settings: CommonSettings,
+        tmp_path: Path,
+        log_name: str,
         env: dict[str, str],
-    ) -> None:  # fmt: skip
-        self.module = module
+    ) -> None:
+        self.args = args
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
             "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
@@ -38,7 +43,7 @@ class LoggedProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== start {self.starts} =====\n".encode())
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module],
+                [sys.executable, "-m", "rollstream.infra.cli", *self.args],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,5 +1,5 @@
-"""Helpers of the sink, replay and report integration tests: the sink (``python -m ...store.sink``)
-as a subprocess (so it can be SIGKILLed and so the chDB path is held by another process, as in
+"""Helpers of the sink, replay and report integration tests: the sink (``rollstream sink``) as a
+subprocess (so it can be SIGKILLed and so the chDB path is held by another process, as in
 production), SDK rollouts, and Kafka reads of topics and of the sink group's commits."""
 
 from __future__ import annotations
@@ -13,20 +13,21 @@ import numpy as np
 from _logged_process import LoggedProcess
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from rollstream.consumers.analytics.server import AnalyticsClient
+from rollstream.consumers.analytics.client import AnalyticsClient
 from rollstream.infra.kafka import free_port
 from rollstream.producers.sdk.recorder import Recorder, RecorderSettings
 from rollstream.schemas import CommonSettings
 
 
 class SinkProcess(LoggedProcess):
-    """``python -m rollstream.consumers.store.sink`` on its own chDB path and analytics port."""
+    """``rollstream sink -v`` on its own chDB path and analytics port, configured by the
+    environment only."""
 
     def __init__(self, settings: CommonSettings, tmp_path: Path, **env: str) -> None:
         self.port = free_port()
         self.chdb_path = tmp_path / "chdb"
         super().__init__(
-            "rollstream.consumers.store.sink", settings, tmp_path, "sink.log",
+            ["sink", "-v"], settings, tmp_path, "sink.log",  # -v: every insert and commit
             {
                 "ROLLSTREAM_CLICKHOUSE_URL": f"chdb://{self.chdb_path}",
                 "ROLLSTREAM_ANALYTICS_PORT": str(self.port),

@@ -27,7 +27,8 @@ from rollstream.consumers.store.chstore import (
     query,
 )
 from rollstream.consumers.store.migrations import MIGRATIONS_DIR, apply_migrations, split_statements
-from rollstream.consumers.store.rows import COLUMNS, RowBatch
+from rollstream.consumers.store.rows import RowBatch
+from rollstream.consumers.store.tables import COLUMNS
 from rollstream.schemas import (
     Branch,
     Event,

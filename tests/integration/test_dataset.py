@@ -13,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _kafka_read import read_topic
 from confluent_kafka import Producer
 from torch.utils.data import DataLoader
 
 from rollstream.consumers.training.dataset import SamplesDataset
 from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.schemas import Codec, CommonSettings, Sample
+from rollstream.schemas.dlq import CODE_UNDECODABLE, read_headers
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +69,16 @@ def test_each_sample_once_per_consumer_group(kafka_settings: CommonSettings) -> 
     both = got_first + got_second
     assert len(both) == len(set(both)) == 30 and set(both) == expected
     assert first.dlq_sent + second.dlq_sent == 1  # the garbage record, once
+    (dead,) = read_topic(kafka_settings, kafka_settings.topics().dlq)
+    headers = read_headers(dead.headers())
+    assert dead.value() == b"\x00garbage"
+    assert (headers["code"], headers["kind"], headers["stage"]) == (
+        CODE_UNDECODABLE,
+        "Sample",
+        "dataset",
+    )
+    assert headers["processor"] == kafka_settings.topics().name("g-a")
+    assert headers["original_topic"] == kafka_settings.topics().samples
 
     # Another group reads everything again; manual commit leaves the group where it was.
     manual = SamplesDataset(kafka_settings, group_id="g-b", commit="manual", idle_timeout=2)

@@ -1,7 +1,7 @@
 """Replay on the real broker and chDB: events re-published from Kafka and from ClickHouse (through
 the analytics server of a running sink) into another namespace are the same events, byte for
 byte and in order per rollout; filters select whole rollouts; and the stream processors
-(``python -m rollstream.streams``) rebuild byte-identical samples from a replay."""
+(``rollstream process``) rebuild byte-identical samples from a replay."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def _utc(us: int) -> str:
 
 
 class Processor:
-    """``python -m rollstream.streams`` for one namespace."""
+    """``rollstream process`` for one namespace."""
 
     def __init__(self, settings: CommonSettings, tmp_path: Path) -> None:
         self.log_path = tmp_path / f"processor-{settings.namespace}.log"
@@ -176,7 +176,7 @@ class Processor:
         }
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.streams"],
+                [sys.executable, "-m", "rollstream.infra.cli", "process"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 

@@ -1,5 +1,5 @@
-"""``rollstream report`` (consumers/report_cli.run) against the analytics server of a running
-sink, then against the chDB store itself once the sink has stopped: canned views, --sql,
+"""``rollstream report`` (consumers/analytics/report_cli.run) against the analytics server of a
+running sink, then against the chDB store itself once the sink has stopped: canned views, --sql,
 --plot, and a write statement refused."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rich.console import Console
 
 from rollstream.consumers.analytics import reports
 from rollstream.consumers.analytics.report_cli import ReportError, ReportSettings, run
-from rollstream.consumers.analytics.server import RefusedQuery
+from rollstream.consumers.errors import RefusedQuery
 from rollstream.schemas import CommonSettings
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,8 @@ import pytest
 from rollstream.consumers.analytics import reports
 from rollstream.consumers.store.chstore import connect, database_for, insert_batch
 from rollstream.consumers.store.migrations import MIGRATIONS_DIR, apply_migrations, load_migrations
-from rollstream.consumers.store.rows import COLUMNS, RowBatch
+from rollstream.consumers.store.rows import RowBatch
+from rollstream.consumers.store.tables import COLUMNS
 from rollstream.schemas import Event, LlmCall, RolloutFinished, RolloutStarted, ToolCall
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The ClickHouse sink on the real broker and real chDB (``python -m ...store.sink``
+"""The ClickHouse sink on the real broker and real chDB (``rollstream sink``
 as a subprocess; every check goes through its analytics server): SDK events land in the tables,
 offsets are committed only after the insert, poison records go to the DLQ and the sink goes on,
 and SIGKILLs at random moments lose and duplicate nothing.
@@ -30,7 +30,7 @@ from _sink_process import (
     wait_committed,
 )
 
-from rollstream.consumers.analytics.server import AnalyticsClient
+from rollstream.consumers.analytics.client import AnalyticsClient
 from rollstream.schemas import (
     Codec,
     CommonSettings,
@@ -40,6 +40,7 @@ from rollstream.schemas import (
     Sample,
     Trajectory,
 )
+from rollstream.schemas.dlq import HEADER_NAMES, read_headers
 from rollstream.streams.core import GroupClosed, add_to_group, replay
 
 pytestmark = pytest.mark.integration
@@ -194,16 +195,18 @@ def test_poison_records_go_to_the_dlq_and_the_sink_goes_on(
     for key, value in poison:
         msg = by_key[key]
         assert msg.value() == value  # unchanged
-        headers = {k: (v or b"").decode() for k, v in msg.headers()}
+        assert [k for k, _ in msg.headers()] == list(HEADER_NAMES)  # the one DLQ contract
+        headers = read_headers(msg.headers())
         assert headers["original_topic"] == topics.events
         assert headers["stage"] == "sink" and headers["reason"]
+        assert headers["processor"] == topics.name("rollstream-sink-v1")
         assert int(headers["original_offset"]) >= 0
-    h = {k: (v or b"").decode() for k, v in by_key[b"r-bad"].headers()}
+    h = read_headers(by_key[b"r-bad"].headers())
     assert (h["code"], h["kind"]) == ("unmappable", "RolloutStarted")
     assert "ts -5" in h["reason"]
-    h = {k: (v or b"").decode() for k, v in by_key[b"r-garbage"].headers()}
-    assert h["code"] == "undecodable"
-    h = {k: (v or b"").decode() for k, v in by_key[b"r-wrong"].headers()}
+    h = read_headers(by_key[b"r-garbage"].headers())
+    assert (h["code"], h["kind"]) == ("undecodable", "")
+    h = read_headers(by_key[b"r-wrong"].headers())
     assert h["code"] == "undecodable" and "expected Event" in h["reason"]
 
 
@@ -279,7 +282,7 @@ def test_sigkill_in_a_loop_loses_and_duplicates_nothing(
 
 
 def _map_workers(sink: Any) -> list[int]:
-    """Pids of the sink process's map workers (its children running sink_workers)."""
+    """Pids of the sink process's map workers (its children running store/workers.py)."""
     assert sink.proc is not None
     out = []
     for entry in Path("/proc").iterdir():
@@ -290,7 +293,7 @@ def _map_workers(sink: Any) -> list[int]:
             cmd = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == sink.proc.pid and b"sink_workers" in cmd:
+        if int(stat[1]) == sink.proc.pid and b"rollstream.consumers.store.workers" in cmd:
             out.append(int(entry.name))
     return out
 
@@ -339,7 +342,7 @@ def test_analytics_client_refuses_writes_and_reports(
         committed.close()
     api: AnalyticsClient
     with sink.client() as api:
-        from rollstream.consumers.analytics.server import AnalyticsHTTPError, RefusedQuery
+        from rollstream.consumers.errors import AnalyticsHTTPError, RefusedQuery
 
         for statement in (
             "INSERT INTO events SELECT * FROM events",

@@ -18,7 +18,7 @@ from confluent_kafka import Producer
 
 from rollstream.adapters.topics import ensure_topics
 from rollstream.consumers.training.checkpoint import CheckpointStore
-from rollstream.consumers.training.trainer import TrainerSettings, run
+from rollstream.consumers.training.trainer import TRAINER_GROUP, TrainerSettings, run
 from rollstream.inference.tinymodel import (
     apply_state_dict,
     ensure_tiny_model,
@@ -34,6 +34,7 @@ from rollstream.schemas import (
     Sample,
     SampleMode,
 )
+from rollstream.schemas.dlq import CODE_INVALID, CODE_UNDECODABLE, HEADER_NAMES, read_headers
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +125,7 @@ def start_trainer(env: dict, log: Path) -> subprocess.Popen[bytes]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")} | env
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rollstream.consumers.training.trainer"],
+            [sys.executable, "-m", "rollstream.infra.cli", "train"],  # rollstream train
             env=full,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -176,6 +177,16 @@ def test_sigkill_between_and_mid_step_trains_each_sample_exactly_once(
     ref_env = trainer_env(ref_settings, model_path, tmp_path / "ref-ckpt")
     ref = run(settings_from(ref_env))
     assert ref.samples_trained == len(good) and ref.dlq == 2 and ref.stale_dropped == 0
+    codes = {
+        (int(h["original_partition"]), int(h["original_offset"])): (h["code"], h["kind"])
+        for h in (
+            read_headers(m.headers()) for m in read_topic(ref_settings, ref_settings.topics().dlq)
+        )
+    }
+    assert codes == {
+        coords[5]: (CODE_UNDECODABLE, "Sample"),  # not a Sample at all
+        coords[17]: (CODE_INVALID, "Sample"),  # a Sample over the token budget
+    }
     ref_store = CheckpointStore(tmp_path / "ref-ckpt")
     ref_trained = [c for _, m in ref_store.manifests() for c in m.trained]
     assert sorted(ref_trained) == sorted(good)
@@ -261,8 +272,15 @@ def test_staleness_filter_drops_counts_and_dead_letters(
 
     dead = read_topic(kafka_settings, kafka_settings.topics().dlq)
     assert len(dead) == 1
-    headers = dict(dead[0].headers())
+    assert [k for k, _ in dead[0].headers()] == list(HEADER_NAMES)  # the one DLQ contract
+    headers = read_headers(dead[0].headers())
     assert dead[0].value() == records[2][1]
-    assert b"expected Sample" in headers["reason"]
-    assert headers["original_topic"] == kafka_settings.topics().samples.encode()
+    assert "expected Sample" in headers["reason"]
+    assert (headers["code"], headers["kind"], headers["stage"]) == (
+        CODE_UNDECODABLE,
+        "Sample",
+        "trainer",
+    )
+    assert headers["processor"] == kafka_settings.topics().name(TRAINER_GROUP)
+    assert headers["original_topic"] == kafka_settings.topics().samples
     assert (int(headers["original_partition"]), int(headers["original_offset"])) == coords[2]

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollstream.consumers.analytics.server import (
-    AnalyticsError,
-    RefusedQuery,
-    check_read_only,
-    decode_frames,
-    encode_frames,
-    readonly_settings,
-)
+from rollstream.consumers.analytics.protocol import decode_frames, encode_frames
+from rollstream.consumers.analytics.readonly import check_read_only, readonly_settings
+from rollstream.consumers.errors import AnalyticsError, RefusedQuery
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The replay's rollout selection (RolloutFilter): pure, no Kafka, no ClickHouse."""
+"""The replay's rollout selection (store.queries.RolloutFilter): pure, no Kafka, no ClickHouse."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from rollstream.consumers.analytics.replay import ReplaySettings, RolloutFilter
+from rollstream.consumers.analytics.replay import ReplaySettings
+from rollstream.consumers.store.queries import RolloutFilter
 from rollstream.schemas import Event, Reward, RolloutStarted
 
 TS = 1_735_689_600_000_000  # 2025-01-01 UTC

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from rollstream.consumers.store import chstore
 from rollstream.consumers.store.columnar import ColumnBatch
-from rollstream.consumers.store.rows import MAX_TS_US, RowBatch, RowError
+from rollstream.consumers.store.rows import RowBatch, RowError
+from rollstream.consumers.store.tables import MAX_TS_US
 from rollstream.consumers.store.workers import (
     MAPPING_GC_THRESHOLD,
     MapJob,

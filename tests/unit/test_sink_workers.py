@@ -18,6 +18,7 @@ from rollstream.consumers.store.workers import MapJob, MapPool, map_batch, map_t
 from rollstream.schemas import (
     Branch,
     Codec,
+    CommonSettings,
     Event,
     LlmCall,
     PolicyVersion,
@@ -30,6 +31,7 @@ from rollstream.schemas import (
 
 TS = 1_735_689_600_000_000
 codec = Codec()
+SETTINGS = CommonSettings(schema_registry_url=None)  # the workers' codec: a plain Codec
 
 
 def events(n: int) -> list[Event]:
@@ -137,7 +139,7 @@ def test_pool_workers_give_the_same_results_in_order_and_die_with_the_sink() -> 
     evs = events(40)
     jobs = [job([codec.encode(e) for e in evs[i : i + 10]], first=i) for i in range(0, 40, 10)]
     jobs[2].values[1] = b"garbage"
-    pool = MapPool(2)
+    pool = MapPool(2, SETTINGS)
     try:
         pool.warm_up()
         futures = [pool.submit(j) for j in jobs]
@@ -155,7 +157,7 @@ def test_pool_workers_give_the_same_results_in_order_and_die_with_the_sink() -> 
 
 
 def test_a_dead_worker_fails_its_jobs() -> None:
-    pool = MapPool(1)
+    pool = MapPool(1, SETTINGS)
     try:
         pool.warm_up()
         pool._workers[0].proc.kill()
@@ -169,7 +171,8 @@ def test_a_dead_worker_fails_its_jobs() -> None:
 def test_workers_die_when_the_sink_is_killed() -> None:
     code = (
         "from rollstream.consumers.store.workers import MapPool\n"
-        "pool = MapPool(2); pool.warm_up()\n"
+        "from rollstream.schemas import CommonSettings\n"
+        "pool = MapPool(2, CommonSettings()); pool.warm_up()\n"
         "print(*[w.proc.pid for w in pool._workers], flush=True)\n"
         "import time; time.sleep(60)\n"
     )

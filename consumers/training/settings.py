@@ -1,0 +1,82 @@
+"""Settings of the trainer (``rollstream train``): ``ROLLSTREAM_TRAIN_*``, the model and
+checkpoint paths, plus the common ones. The debug pause (``train_debug_pause``) is described in
+trainer.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic_settings import SettingsConfigDict
+
+from rollstream.consumers.errors import TrainerError
+from rollstream.consumers.training.ppo import LossConfig, Normalization
+from rollstream.schemas import CommonSettings
+
+__all__ = ["DEBUG_STAGES", "TRAINER_GROUP", "TrainerSettings"]
+
+TRAINER_GROUP = "rollstream-trainer-v1"
+DEBUG_STAGES = ("optimizer", "checkpoint", "committed", "published")
+
+
+class TrainerSettings(CommonSettings):
+    """Settings of the trainer (ROLLSTREAM_*; trainer-only ones are ROLLSTREAM_TRAIN_*).
+    An optional setting is unset with the value ``none`` (ROLLSTREAM_TRAIN_MAX_GRAD_NORM=none)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
+    )
+
+    model_path: Path | None = None  # initial weights; default <home>/models/tiny (as the server)
+    model_create: bool = True  # create the tiny model at model_path when none is there
+    checkpoint_dir: Path | None = None  # default <home>/checkpoints
+    checkpoint_keep: int = 3
+    checkpoint_fsync: bool = True
+    train_group_id: str = TRAINER_GROUP
+    train_instance_id: str | None = "trainer-0"  # static group membership: fast restarts
+    train_lr: float = 1e-5
+    train_weight_decay: float = 0.0
+    train_max_grad_norm: float | None = 1.0
+    train_token_budget: int = 16384  # padded tokens (B * T_max) per step
+    train_batch_samples: int | None = None  # cap on samples per step
+    train_max_staleness: int = 4
+    train_clip_low: float = 0.2
+    train_clip_high: float = 0.28
+    train_normalization: Normalization = "rollout"
+    train_max_steps: int | None = None  # total steps (a restart continues towards it)
+    train_device: str = "cpu"
+    train_attn_implementation: str | None = None  # default: the model's (sdpa)
+    train_torch_threads: int | None = None
+    train_seed: int = 0
+    train_start: Literal["earliest", "latest"] = "earliest"  # partitions with no checkpoint
+    train_poll_timeout_s: float = 0.5
+    train_poll_records: int = 500
+    train_flush_idle_s: float | None = 5.0  # train a partial batch after this long idle
+    train_exit_idle_s: float | None = None  # return after this long idle with nothing pending
+    train_session_timeout_ms: int = 6000
+    train_max_poll_interval_ms: int = 1_800_000
+    train_commit_offsets: bool = True  # commit to the group after each checkpoint (lag)
+    train_publish_timeout_s: float = 30.0
+    train_debug_pause: str | None = None  # "STAGE:STEP", see the module docstring
+    train_debug_pause_s: float = 3600.0
+
+    def resolved_model_path(self) -> Path:
+        return self.model_path if self.model_path is not None else self.home / "models" / "tiny"
+
+    def resolved_checkpoint_dir(self) -> Path:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.home / "checkpoints"
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(self.train_clip_low, self.train_clip_high, self.train_normalization)
+
+    def debug_pause(self) -> tuple[str, int] | None:
+        if not self.train_debug_pause:
+            return None
+        stage, _, step = self.train_debug_pause.partition(":")
+        if stage not in DEBUG_STAGES or not step.isdigit():
+            raise TrainerError(
+                f"train_debug_pause must be STAGE:STEP with STAGE in {DEBUG_STAGES}, "
+                f"got {self.train_debug_pause!r}"
+            )
+        return stage, int(step)
