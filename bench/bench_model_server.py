@@ -53,7 +53,7 @@ def start_server(model: Path, port: int, threads: int) -> subprocess.Popen[bytes
         "ROLLSTREAM_MODEL_CREATE": "false",
         "ROLLSTREAM_MODEL_TORCH_THREADS": str(threads),
     }
-    cmd = [sys.executable, "-m", "rollstream.inference.server"]
+    cmd = [sys.executable, "-m", "rollstream.infra.cli", "serve-model"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -20,23 +20,21 @@ Sampling and logprobs (``generate``), per request:
 - a stop token (EOS or one of ``stop_token_ids``) ends the sequence and IS part of the returned
   tokens and logprobs (the policy must learn to emit it).
 
-Errors::
-
-    TinyModelError              root of rollstream.inference.tinymodel
-    ├── CheckpointError         a weights path that is missing or does not fit the model
-    └── GenerationError         a prompt or sampling parameter the model cannot serve
+Errors: ``TinyModelError`` and its ``CheckpointError`` and ``GenerationError``, in the
+package's tree (rollstream.inference.errors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +45,10 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+from transformers.utils import logging as hf_logging
+
+from rollstream.inference.errors import CheckpointError, GenerationError, TinyModelError
+from rollstream.inference.settings import LogprobsMode
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -67,8 +69,6 @@ __all__ = [
     "stop_token_ids",
     "train_tokenizer",
 ]
-
-LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -112,19 +112,20 @@ CHAT_TEMPLATE = """\
 """
 
 
-class TinyModelError(Exception):
-    """Root of every error raised by rollstream.inference.tinymodel."""
-
-
-class CheckpointError(TinyModelError):
-    """A weights path is missing, unreadable, or its tensors do not fit the model."""
-
-
-class GenerationError(TinyModelError):
-    """A prompt or sampling parameter the model cannot serve."""
-
-
 # --------------------------------------------------------------------------- tokenizer + model
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers draws a progress bar per save and load; for a 2 MB model it is only noise
+    on the console (and in service logs)."""
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def train_tokenizer(
@@ -162,9 +163,15 @@ def train_tokenizer(
 
 
 def _qwen2_config(
-    tok: PreTrainedTokenizerFast, *, hidden: int, layers: int, heads: int, kv_heads: int,
-    intermediate: int, max_positions: int,
-) -> Qwen2Config:  # fmt: skip
+    tok: PreTrainedTokenizerFast,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    max_positions: int,
+) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=len(tok),
         hidden_size=hidden,
@@ -198,14 +205,20 @@ def make_tiny_model(
     into ``out_dir``. Defaults give ~427k parameters. Returns ``out_dir``."""
     tok = tokenizer if tokenizer is not None else train_tokenizer(corpus_path, vocab_size)
     config = _qwen2_config(
-        tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-        intermediate=intermediate or 2 * hidden, max_positions=max_positions,
-    )  # fmt: skip
+        tok,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate or 2 * hidden,
+        max_positions=max_positions,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with _no_progress_bars():
+        model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "rollstream.json").write_text(json.dumps({"seed": seed, "policy_version": 0}))
     return out
@@ -246,9 +259,10 @@ def load_model(
     if not _is_complete(p):
         raise CheckpointError(f"no model checkpoint (config.json + tokenizer.json) at {p}")
     tok = PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-        p, dtype=dtype, local_files_only=True
-    )
+    with _no_progress_bars():
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            p, dtype=dtype, local_files_only=True
+        )
     model.to(torch.device(device))  # type: ignore[arg-type]  # transformers' typed wrapper
     return model.eval(), tok
 
@@ -427,9 +441,12 @@ def generate(
         step_ids[:, 0] = chosen
         mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=-1)
         out = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=next_pos,
-            past_key_values=cache, use_cache=True,
-        )  # fmt: skip
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache, next_pos = out.past_key_values, next_pos + 1
         logits = out.logits[:, -1, :].float()
     return results

@@ -1,64 +1,51 @@
-"""The ``rollstream`` console script. Each subcommand builds its settings (environment
-``ROLLSTREAM_*`` plus flags) and calls a ``run``-style function.
+"""The ``rollstream`` console script: one subcommand per job, listed by ``rollstream --help``.
 
-    rollstream up [--host H] [--port P]      start the local Kafka broker and create topics
-    rollstream down                          stop it (data stays under .rollstream/)
-    rollstream status                        broker state, topics and message counts
-    rollstream topics                        create missing topics, list them
-    rollstream tail TOPIC [--from-beginning] [--limit N] [--format json|pretty]
-    rollstream demo                          the README's main job
-    rollstream make-model [--model PATH]     build the tiny local model + tokenizer
-    rollstream serve-model [--host H] [--port P] [--model PATH]   reference inference server
-    rollstream proxy [--host H] [--port P] --backend URL [...]     recording LLM proxy + rollout API
-    rollstream process                       stream processors (faust worker)
-    rollstream train [--max-steps N]         trainer consumer
-    rollstream sink [--host H] [--port P]    ClickHouse sink (+ analytics HTTP on host:port)
-    rollstream report [VIEW] [--sql SQL] [--plot FILE.png]
-    rollstream replay --to NAMESPACE [--source kafka|clickhouse] [filters]
+Each subcommand builds its deployable's settings class (the ``ROLLSTREAM_*`` environment,
+overridden by the flags given) and calls that deployable's ``run``. A flag that sets a setting
+says so in its help, with the variable and its default read off the settings class (the same
+source as docs/configuration.md), so they are never typed twice.
+
+Only the standard library is imported here at import time: ``--help`` and ``--version`` work on
+the base install (the SDK alone). A command imports what it needs when it runs; when an extra
+is missing it says which one and exits 2. Logging: infra/logs.py (``-v`` shows more).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
+from importlib import metadata
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+from rollstream.infra.flags import (
+    Command,
+    Flag,
+    MissingExtra,
+    add_flags,
+    build_settings,
+    flag,
+    is_extra,
+)
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
-console = Console(stderr=True)
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if getattr(args, "home", None):
-        out["home"] = args.home
-    if getattr(args, "namespace", None) is not None:
-        out["namespace"] = args.namespace
-    if getattr(args, "bootstrap", None):
-        out["kafka_bootstrap"] = args.bootstrap
-    return out
+EXIT_MISSING_EXTRA = 2
 
 
-def _stack_settings(args: argparse.Namespace) -> Any:
-    from rollstream.infra.stack import StackSettings
+def _console(stderr: bool = True) -> Any:
+    from rich.console import Console
 
-    over = _overrides(args)
-    if getattr(args, "port", None) or getattr(args, "host", None):
-        host = args.host or "127.0.0.1"
-        port = args.port or 9092
-        over["kafka_bootstrap"] = f"{host}:{port}"
-    return StackSettings(**over)
+    return Console(stderr=stderr)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+# --------------------------------------------------------------------------- the commands
+
+
+def cmd_up(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.infra import stack
 
-    settings = _stack_settings(args)
+    console = _console()
     with console.status(f"starting Kafka (KRaft) at {settings.kafka_bootstrap} ..."):
         created = stack.up(settings)
     st = stack.status(settings)
@@ -68,19 +55,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_down(args: argparse.Namespace) -> int:
+def cmd_down(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.infra import stack
 
-    settings = _stack_settings(args)
     was = stack.down(settings)
-    console.print("kafka stopped" if was else "kafka was not running")
+    _console().print("kafka stopped" if was else "kafka was not running")
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def cmd_status(args: argparse.Namespace, settings: Any) -> int:
+    from rich.table import Table
+
     from rollstream.infra import stack
 
-    settings = _stack_settings(args)
+    console = _console()
     st = stack.status(settings)
     state = (
         "[green]ready[/]" if st.ready else ("[yellow]starting[/]" if st.running else "[red]down[/]")
@@ -91,29 +79,28 @@ def cmd_status(args: argparse.Namespace) -> int:
         table = Table("topic", "partitions", "messages")
         for t in st.topics:
             table.add_row(t.name, str(t.partitions), str(t.messages))
-        Console().print(table)
+        _console(stderr=False).print(table)
     return 0 if st.ready else 1
 
 
-def cmd_topics(args: argparse.Namespace) -> int:
+def cmd_topics(args: argparse.Namespace, settings: Any) -> int:
+    from rich.table import Table
+
     from rollstream.adapters.topics import describe_topics, ensure_topics
 
-    settings = _stack_settings(args)
     created = ensure_topics(settings)
     table = Table("topic", "partitions", "messages", "new")
     for t in describe_topics(settings):
         table.add_row(
             t.name, str(t.partitions), str(t.messages), "yes" if t.name in created else ""
         )
-    Console().print(table)
+    _console(stderr=False).print(table)
     return 0
 
 
-def cmd_tail(args: argparse.Namespace) -> int:
+def cmd_tail(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.infra import tail
-    from rollstream.infra.stack import StackSettings
 
-    settings = StackSettings(**_overrides(args))
     opts = tail.TailOptions(
         args.topic, args.from_beginning, args.limit, args.format, args.idle_timeout
     )
@@ -124,195 +111,399 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from rollstream.infra.demo import DemoSettings, run
+def cmd_demo(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.infra.demo import run
 
-    return run(DemoSettings(**_overrides(args)))
-
-
-def _set(over: dict[str, Any], args: argparse.Namespace, **fields: str) -> dict[str, Any]:
-    """Copy flags that were given onto settings fields: ``_set(o, args, host="model_host")``."""
-    for flag, field_name in fields.items():
-        value = getattr(args, flag, None)
-        if value not in (None, [], ()):
-            over[field_name] = value
-    return over
+    return run(settings)
 
 
-def cmd_make_model(args: argparse.Namespace) -> int:
-    from rollstream.inference.server import ModelServerSettings
+def cmd_make_model(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.inference.tinymodel import ensure_tiny_model
 
-    settings = ModelServerSettings(**_set(_overrides(args), args, model="model_path"))
     path = ensure_tiny_model(settings.resolved_model_path(), seed=settings.model_seed)
-    console.print(f"tiny model at {path}")
+    _console().print(f"tiny model at {path}")
     return 0
 
 
-def cmd_serve_model(args: argparse.Namespace) -> int:
-    from rollstream.inference.server import ModelServerSettings, run
+def cmd_serve_model(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.inference.server import run
 
-    over = _set(_overrides(args), args, host="model_host", port="model_port", model="model_path")
-    run(ModelServerSettings(**over))
+    run(settings)
     return 0
 
 
-def cmd_proxy(args: argparse.Namespace) -> int:
-    from rollstream.producers.proxy.service import ProxySettings, run
+def cmd_proxy(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.producers.proxy.app import run
 
-    over = _set(
-        _overrides(args),
-        args,
-        host="proxy_host",
-        port="proxy_port",
-        backend="proxy_backends",
-        model="proxy_model_path",
-    )
-    run(ProxySettings(**over))
+    run(settings)
     return 0
 
 
-def cmd_process(args: argparse.Namespace) -> int:
+def cmd_process(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.streams.app import run
-    from rollstream.streams.settings import ProcessorSettings
 
-    over = _set(_overrides(args), args, sample_mode="proc_sample_mode", scorer="proc_scorer")
-    return run(ProcessorSettings(**over))
+    return run(settings)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from rollstream.consumers.training.trainer import TrainerSettings, main
+def cmd_train(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.consumers.training.trainer import main
 
-    over = _set(_overrides(args), args, max_steps="train_max_steps", model="model_path")
-    return main(TrainerSettings(**over))
+    return main(settings)
 
 
-def cmd_sink(args: argparse.Namespace) -> int:
-    from rollstream.consumers.store.sink import SinkSettings, run
+def cmd_sink(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.consumers.analytics.service import run
 
-    over = _set(_overrides(args), args, host="analytics_host", port="analytics_port")
-    run(SinkSettings(**over))
+    run(settings)
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from rollstream.consumers.analytics.report_cli import ReportSettings, run
+def cmd_report(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.consumers.analytics.report_cli import run
 
-    run(
-        ReportSettings(**_overrides(args)),
-        view=args.view,
-        sql=args.sql,
-        plot=args.plot,
-        url=args.url,
+    run(settings, view=args.view, sql=args.sql, plot=args.plot)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.consumers.analytics.replay import run
+
+    result = run(settings)
+    _console().print(str(result))
+    return 0
+
+
+_BROKER = (
+    flag(
+        "--host",
+        help="broker host: replaces the host of the bootstrap address",
+        setting="kafka_bootstrap",
+        part="host",
+    ),
+    flag(
+        "--port",
+        help="broker port: replaces the port of the bootstrap address",
+        setting="kafka_bootstrap",
+        part="port",
+        type=int,
+    ),
+)
+_STACK = "rollstream.infra.stack:StackSettings"
+_MODEL = "rollstream.inference.settings:ModelServerSettings"
+
+
+def _listen(host: str, port: str, what: str) -> tuple[Flag, Flag]:
+    return (
+        flag("--host", help=f"address the {what} listens on", setting=host),
+        flag("--port", help=f"port the {what} listens on", setting=port, type=int),
     )
-    return 0
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    from rollstream.consumers.analytics.replay import ReplaySettings, run
-
-    over = _set(
-        _overrides(args),
-        args,
-        to="replay_to",
-        source="replay_source",
-        since="replay_since",
-        until="replay_until",
-        task="replay_task_ids",
-        group="replay_group_ids",
-        run_id="replay_run_ids",
-        policy_version="replay_policy_versions",
-        rollout="replay_rollout_ids",
-        analytics_url="analytics_url",
+def _model(setting: str) -> Flag:
+    return flag(
+        "--model",
+        help="local model directory (tokenizer + weights); unset: <home>/models/tiny",
+        setting=setting,
+        metavar="DIR",
     )
-    result = run(ReplaySettings(**over))
-    console.print(str(result))
-    return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--home", help="state directory (default .rollstream)")
-    p.add_argument("--namespace", help="topic namespace prefix")
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers")
+def _each(*names: str, help: str, setting: str, **options: Any) -> Flag:
+    return flag(
+        *names,
+        help=f"{help} (repeat the flag for several)",
+        setting=setting,
+        action="append",
+        **options,
+    )
 
 
-def build_parser() -> argparse.ArgumentParser:
+_COMMANDS = (
+    Command(
+        "up",
+        "start the local Kafka broker (KRaft) and create the topics",
+        _STACK,
+        "cli",
+        _BROKER,
+        cmd_up,
+    ),
+    Command(
+        "down",
+        "stop the local Kafka broker (its data stays under --home)",
+        _STACK,
+        "cli",
+        _BROKER,
+        cmd_down,
+    ),
+    Command(
+        "status",
+        "show the broker, its topics and their message counts",
+        _STACK,
+        "cli",
+        _BROKER,
+        cmd_status,
+    ),
+    Command(
+        "topics",
+        "create the missing topics of the namespace and list them",
+        _STACK,
+        "cli",
+        _BROKER,
+        cmd_topics,
+    ),
+    Command(
+        "tail",
+        "print the decoded records of a topic as they arrive",
+        _STACK,
+        "cli",
+        (
+            flag("topic", help="events | samples | trajectories | dlq | policy | a topic name"),
+            flag(
+                "--from-beginning",
+                help="start at the oldest record, not the next one",
+                action="store_true",
+            ),
+            flag("--limit", help="stop after N records", type=int, metavar="N"),
+            flag(
+                "--format",
+                help="one JSON object per line, or a short line [default %(default)s]",
+                choices=("json", "pretty"),
+                default="pretty",
+            ),
+            flag(
+                "--idle-timeout",
+                help="stop after S seconds without a record",
+                type=float,
+                metavar="S",
+            ),
+        ),
+        cmd_tail,
+    ),
+    Command(
+        "demo",
+        "the whole RL loop on this machine: model, proxy, processors, sink, trainer",
+        "rollstream.infra.demo:DemoSettings",
+        "all",
+        (),
+        cmd_demo,
+    ),
+    Command(
+        "make-model",
+        "build the tiny local model and its tokenizer",
+        _MODEL,
+        "train",
+        (_model("model_path"),),
+        cmd_make_model,
+    ),
+    Command(
+        "serve-model",
+        "run the reference inference server (vLLM's token-ID API)",
+        _MODEL,
+        "train",
+        (*_listen("model_host", "model_port", "server"), _model("model_path")),
+        cmd_serve_model,
+        service=True,
+    ),
+    Command(
+        "proxy",
+        "run the recording LLM proxy and the rollout API",
+        "rollstream.producers.proxy.settings:ProxySettings",
+        "proxy",
+        (
+            *_listen("proxy_host", "proxy_port", "proxy"),
+            _each(
+                "--backend", help="inference backend URL", setting="proxy_backends", metavar="URL"
+            ),
+            _model("proxy_model_path"),
+        ),
+        cmd_proxy,
+        service=True,
+    ),
+    Command(
+        "process",
+        "run the stream processors (trajectories, scores, samples)",
+        "rollstream.streams.settings:ProcessorSettings",
+        "streams",
+        (
+            flag(
+                "--sample-mode",
+                help="one sample per leaf path, or one per tree",
+                setting="proc_sample_mode",
+            ),
+            flag(
+                "--scorer",
+                help="scoring function of unfinished attempts",
+                setting="proc_scorer",
+                metavar="NAME",
+            ),
+        ),
+        cmd_process,
+        service=True,
+    ),
+    Command(
+        "train",
+        "run the trainer on the samples topic",
+        "rollstream.consumers.training.settings:TrainerSettings",
+        "train",
+        (
+            flag(
+                "--max-steps",
+                help="stop after this many steps in all (a restart continues)",
+                setting="train_max_steps",
+                type=int,
+                metavar="N",
+            ),
+            _model("model_path"),
+        ),
+        cmd_train,
+        service=True,
+    ),
+    Command(
+        "sink",
+        "run the ClickHouse sink and its analytics server",
+        "rollstream.consumers.analytics.service:SinkServiceSettings",
+        "sink",
+        _listen("analytics_host", "analytics_port", "analytics server"),
+        cmd_sink,
+        service=True,
+    ),
+    Command(
+        "report",
+        "canned analytics views, ad-hoc SQL and plots",
+        "rollstream.consumers.analytics.report_cli:ReportSettings",
+        "sink",
+        (
+            flag("view", help="a canned view (default: every view)", nargs="?"),
+            flag("--sql", help="an ad-hoc read-only SQL query"),
+            flag("--plot", help="draw the view's chart to this PNG file", metavar="FILE"),
+            flag("--url", help="analytics server or ClickHouse URL", setting="analytics_url"),
+        ),
+        cmd_report,
+    ),
+    Command(
+        "replay",
+        "re-publish raw events into another namespace",
+        "rollstream.consumers.analytics.replay:ReplaySettings",
+        "sink",
+        (
+            flag("--to", help="target namespace", setting="replay_to", required=True, metavar="NS"),
+            flag("--source", help="where the events come from", setting="replay_source"),
+            flag(
+                "--since",
+                help="rollouts started at or after this ISO time",
+                setting="replay_since",
+                metavar="TIME",
+            ),
+            flag(
+                "--until",
+                help="rollouts started before this ISO time",
+                setting="replay_until",
+                metavar="TIME",
+            ),
+            _each("--task", help="rollouts of this task", setting="replay_task_ids"),
+            _each("--group", help="rollouts of this GRPO group", setting="replay_group_ids"),
+            _each("--run-id", help="rollouts of this run", setting="replay_run_ids"),
+            _each(
+                "--policy-version",
+                help="rollouts started under this policy version",
+                setting="replay_policy_versions",
+                type=int,
+                metavar="N",
+            ),
+            _each("--rollout", help="this rollout", setting="replay_rollout_ids", metavar="ID"),
+            flag(
+                "--analytics-url",
+                help="the sink's analytics server (clickhouse source)",
+                setting="analytics_url",
+                metavar="URL",
+            ),
+        ),
+        cmd_replay,
+    ),
+)
+COMMANDS: dict[str, Command] = {c.name: c for c in _COMMANDS}
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _version() -> str:
+    try:
+        return metadata.version("rollstream")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _wide(prog: str) -> argparse.HelpFormatter:
+    """argparse's formatter, with room for ``--bootstrap HOST:PORT`` beside its help."""
+    return argparse.HelpFormatter(prog, max_help_position=32)
+
+
+def build_parser(commands: Collection[str] = ()) -> argparse.ArgumentParser:
+    """The ``rollstream`` parser. The commands named in ``commands`` get their flags, which
+    imports their settings classes; the others only their name and summary, so ``--help``
+    imports nothing beyond the standard library."""
     parser = argparse.ArgumentParser(
-        prog="rollstream", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="rollstream",
+        description="Event-sourced rollout infrastructure for RL of LLM agents, over Kafka. "
+        "`rollstream COMMAND --help` shows a command's flags, the ROLLSTREAM_* variables "
+        "they override and their defaults.",
+        epilog="Start with `rollstream demo` (the whole loop on this machine).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
-        "up": (cmd_up, "start the local Kafka broker and create the topics"),
-        "down": (cmd_down, "stop the local stack"),
-        "status": (cmd_status, "show the local stack"),
-        "topics": (cmd_topics, "create missing topics and list them"),
-        "tail": (cmd_tail, "print decoded records of a topic"),
-        "demo": (cmd_demo, "run the demo"),
-        "make-model": (cmd_make_model, "build the tiny local model and tokenizer"),
-        "serve-model": (cmd_serve_model, "run the reference inference server"),
-        "proxy": (cmd_proxy, "run the recording LLM proxy and rollout API"),
-        "process": (cmd_process, "run the stream processors (faust worker)"),
-        "train": (cmd_train, "run the trainer"),
-        "sink": (cmd_sink, "run the ClickHouse sink and the analytics server"),
-        "report": (cmd_report, "canned analytics views, ad-hoc SQL, plots"),
-        "replay": (cmd_replay, "re-publish raw events into a namespace"),
-    }
-    for name, (fn, help_text) in commands.items():
-        p = sub.add_parser(name, help=help_text)
-        _common(p)
-        p.set_defaults(fn=fn)
-        if name in ("up", "down", "status", "topics", "serve-model", "proxy", "sink"):
-            p.add_argument("--host", help="where it listens")
-            p.add_argument("--port", type=int, help="where it listens")
-        if name in ("make-model", "serve-model", "proxy", "train"):
-            p.add_argument("--model", help="local model directory (tokenizer + weights)")
-        if name == "proxy":
-            p.add_argument("--backend", action="append", help="inference backend URL (repeat)")
-        if name == "process":
-            p.add_argument("--sample-mode", choices=("path", "tree"))
-            p.add_argument("--scorer")
-        if name == "train":
-            p.add_argument("--max-steps", type=int)
-        if name == "report":
-            p.add_argument("view", nargs="?", help="canned view (default: all)")
-            p.add_argument("--sql", help="ad-hoc read-only SQL")
-            p.add_argument("--plot", help="write the view as a PNG")
-            p.add_argument("--url", help="analytics server or ClickHouse URL")
-        if name == "replay":
-            p.add_argument("--to", required=True, help="target namespace")
-            p.add_argument("--source", choices=("kafka", "clickhouse"))
-            p.add_argument("--since", help="ISO time: rollouts started at or after")
-            p.add_argument("--until", help="ISO time: rollouts started before")
-            p.add_argument("--task", action="append")
-            p.add_argument("--group", action="append")
-            p.add_argument("--run-id", action="append")
-            p.add_argument("--policy-version", action="append", type=int)
-            p.add_argument("--rollout", action="append")
-            p.add_argument("--analytics-url")
-        if name == "tail":
-            p.add_argument("topic", help="events | samples | trajectories | dlq | policy | NAME")
-            p.add_argument("--from-beginning", action="store_true")
-            p.add_argument("--limit", type=int)
-            p.add_argument("--format", choices=("json", "pretty"), default="pretty")
-            p.add_argument("--idle-timeout", type=float, help="stop after S seconds of silence")
+    parser.add_argument("--version", action="version", version=f"rollstream {_version()}")
+    verbose_help = "show more: -v rollstream's INFO, -vv its DEBUG and libraries' INFO"
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=verbose_help)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    for command in _COMMANDS:
+        p = sub.add_parser(
+            command.name, help=command.summary, description=command.summary, formatter_class=_wide
+        )
+        p.add_argument(
+            "-v", "--verbose", action="count", default=argparse.SUPPRESS, help=verbose_help
+        )
+        if command.name in commands:
+            add_flags(p, command)
     return parser
 
 
+def _command_named(argv: Sequence[str]) -> Command | None:
+    """The subcommand of ``argv``: its first word (the global options take no value)."""
+    name = next((a for a in argv if not a.startswith("-")), None)
+    return COMMANDS.get(name) if name is not None else None
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)  # plain: one line, and no rich on the base install
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from rollstream.infra.logs import setup_logging
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_named(argv)
+    verbose = 0
     try:
-        return int(args.fn(args) or 0)
+        args = build_parser([command.name] if command else []).parse_args(argv)
+        command, verbose = COMMANDS[args.command], args.verbose
+        settings = build_settings(command, args)
+        if getattr(settings, "sink_log_level", "").lower() == "debug":
+            verbose = max(verbose, 2)  # ROLLSTREAM_SINK_LOG_LEVEL=debug: every insert and commit
+        setup_logging(verbose, service=command.service)
+        return int(command.run(args, settings) or 0)
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # the CLI's one place that turns errors into a message + exit 1
-        if args.verbose:
+    except MissingExtra as exc:
+        _say(str(exc))
+        return EXIT_MISSING_EXTRA
+    except ModuleNotFoundError as exc:
+        if command is None or not is_extra(exc):
             raise
-        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}")
+        _say(str(MissingExtra(command, str(exc.name))))
+        return EXIT_MISSING_EXTRA
+    except Exception as exc:  # the CLI's one place that turns errors into a message + exit 1
+        if verbose >= 2:  # -vv: the traceback too
+            raise
+        _say(f"error: {type(exc).__name__}: {exc}")
         return 1
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 import sys
-from typing import Any
 
-__all__ = ["DEPLOYABLES", "render"]
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+__all__ = ["DEPLOYABLES", "default_text", "env_var", "render"]
 
 # (deployable, module, class) in the order the table shows them
 DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
@@ -23,19 +26,19 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
         "StackSettings",
     ),
     ("demo (`demo`)", "rollstream.infra.demo", "DemoSettings"),
-    ("harness SDK (`Recorder`)", "rollstream.producers.sdk.recorder", "RecorderSettings"),
+    ("harness SDK (`Recorder`)", "rollstream.producers.sdk.settings", "RecorderSettings"),
     (
         "reference model server (`serve-model`, `make-model`)",
-        "rollstream.inference.server",
+        "rollstream.inference.settings",
         "ModelServerSettings",
     ),
-    ("recording proxy (`proxy`)", "rollstream.producers.proxy.service", "ProxySettings"),
+    ("recording proxy (`proxy`)", "rollstream.producers.proxy.settings", "ProxySettings"),
     ("stream processors (`process`)", "rollstream.streams.settings", "ProcessorSettings"),
-    ("trainer (`train`)", "rollstream.consumers.training.trainer", "TrainerSettings"),
+    ("trainer (`train`)", "rollstream.consumers.training.settings", "TrainerSettings"),
     (
         "ClickHouse sink + analytics server (`sink`)",
-        "rollstream.consumers.store.sink",
-        "SinkSettings",
+        "rollstream.consumers.analytics.service",
+        "SinkServiceSettings",
     ),
     ("reports (`report`)", "rollstream.consumers.analytics.report_cli", "ReportSettings"),
     ("replay (`replay`)", "rollstream.consumers.analytics.replay", "ReplaySettings"),
@@ -58,20 +61,35 @@ def _comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _default(field: Any) -> str:
+def env_var(cls: type[BaseSettings], name: str) -> str:
+    """The environment variable of field ``name`` of settings class ``cls``."""
+    return f"{cls.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def default_text(field: FieldInfo) -> tuple[str, bool]:
+    """``(text, literal)``: a field's default as one would write it in the environment (lists
+    and dicts as JSON), and whether that text is the value itself. ``unset`` (None), ``empty``
+    and placeholders (``<role>@<hostname>``, ``(computed)``) are not literal."""
     if field.default_factory is not None:
         try:
-            value = field.default_factory()
+            value = field.default_factory()  # type: ignore[call-arg]
         except TypeError:
-            return "(computed)"
+            return "(computed)", False
     else:
         value = field.default
     if value is None:
-        return "unset"
-    text = str(value.get_secret_value() if hasattr(value, "get_secret_value") else value)
+        return "unset", False
+    if hasattr(value, "get_secret_value"):
+        value = value.get_secret_value()
+    text = json.dumps(value) if isinstance(value, list | dict) else str(value)
     if re.match(r"^(sdk|proxy)@", text):
-        return "`<role>@<hostname>`"
-    return f"`{text}`" if text else "empty"
+        return "<role>@<hostname>", False
+    return (text, True) if text else ("empty", False)
+
+
+def _default(field: FieldInfo) -> str:
+    text, literal = default_text(field)
+    return f"`{text}`" if literal or text.startswith("<") else text  # <...>: a placeholder
 
 
 def render() -> str:
@@ -95,7 +113,7 @@ def render() -> str:
                 continue
             seen.add(field_name)
             rows.append(
-                f"| `ROLLSTREAM_{field_name.upper()}` | {_default(field)} | "
+                f"| `{env_var(cls, field_name)}` | {_default(field)} | "
                 f"{comments.get(field_name, '').replace('|', '/')} |"
             )
         if rows:

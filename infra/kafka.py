@@ -190,8 +190,10 @@ class KafkaBroker:
         from confluent_kafka.admin import AdminClient  # I/O edge
 
         conf: dict[str, Any] = {
-            "bootstrap.servers": self.bootstrap, "log_level": 0, "logger": _QuietLogger(),
-        }  # fmt: skip
+            "bootstrap.servers": self.bootstrap,
+            "log_level": 0,
+            "logger": _QuietLogger(),
+        }
         admin = AdminClient(conf)
         try:
             md = admin.list_topics(timeout=timeout)

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
 
+from rollstream.adapters.codecs import build_codec
 from rollstream.schemas import Codec, CommonSettings, DecodeError, Event
 from rollstream.schemas.topics import DLQ, EVENTS, POLICY, SAMPLES, TRAJECTORIES
 
@@ -53,7 +54,7 @@ class TailOptions:
 def records(settings: CommonSettings, opts: TailOptions) -> Iterator[dict[str, Any]]:
     """Yield decoded records as JSON-able dicts (with kafka coordinates under ``_kafka``)."""
     topic = resolve_topic(settings, opts.topic)
-    codec = Codec()
+    codec = build_codec(settings)
     consumer = Consumer(
         {
             **settings.kafka_config(),

@@ -29,6 +29,7 @@ from rich.table import Table
 from rollstream.infra import stack
 from rollstream.infra.demo.agent import AgentResult, DemoAgent, demo_tasks
 from rollstream.infra.kafka import free_port
+from rollstream.infra.logs import log_to_file
 from rollstream.infra.services import Service, Supervisor
 
 __all__ = ["DemoSettings", "plot_rewards", "reward_table", "run"]
@@ -159,11 +160,19 @@ def _show_sink_report(settings: DemoSettings, url: str, console: Console) -> Non
 
 
 def run(settings: DemoSettings) -> int:
-    console = Console()
-    t0 = time.monotonic()
+    """Run the demo; the console shows progress and results, its own log (the agent's HTTP
+    requests, library chatter) goes to ``<home>/<namespace>/logs/demo.log`` beside the
+    services' logs."""
     namespace = settings.namespace or f"demo{uuid.uuid4().hex[:6]}"
     settings = settings.model_copy(update={"namespace": namespace})
     home = Path(settings.home).resolve()
+    with log_to_file(home / namespace / "logs" / "demo.log"):
+        return _run(settings, home, Console())
+
+
+def _run(settings: DemoSettings, home: Path, console: Console) -> int:
+    t0 = time.monotonic()
+    namespace = settings.namespace
     with console.status("starting the local Kafka broker ..."):
         stack.up(settings)
     console.print(

@@ -1,6 +1,7 @@
 """The whole loop, short: `rollstream demo` with a few steps against the session's broker.
 Asserts that it closed: samples trained, new policy versions published and served, and LlmCalls
-recorded under a new policy version."""
+recorded under a new policy version; and that its console stayed quiet (library chatter in the
+log files)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def test_short_demo_closes_the_loop(kafka: KafkaBroker, tmp_path: Path) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr  # progress, tables, warnings: no library chatter
+    assert "HTTP Request" not in console and len(console.splitlines()) < 100, console[-3000:]
+    demo_log = tmp_path / "home" / namespace / "logs" / "demo.log"
+    assert "HTTP Request" in demo_log.read_text()  # the agent's requests went to the log file
     assert (tmp_path / "home" / "demo-reward.png").stat().st_size > 1000
 
     topics = CommonSettings(namespace=namespace).topics()

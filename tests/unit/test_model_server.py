@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import uvicorn
 from safetensors.torch import save_file
 
-from rollstream.inference.server import ModelServerSettings, create_app
+from rollstream.inference.server import create_app
+from rollstream.inference.settings import ModelServerSettings
 from rollstream.inference.tinymodel import (
     apply_state_dict,
     load_model,
@@ -98,8 +99,15 @@ def test_health_and_models(server: Server) -> None:
 
 
 def test_completion_has_vllms_token_id_fields(server: Server) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 6, "seed": 1, "logprobs": 2, "ignore_eos": True,
-            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "seed": 1,
+        "logprobs": 2,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     data = _post(server.url, body).json()
     assert data["object"] == "text_completion" and data["model"] == "rollstream-tiny"
     choice = data["choices"][0]
@@ -120,8 +128,9 @@ def test_text_prompt_and_fields_off_by_default(server: Server) -> None:
     choice = data["choices"][0]
     assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
     assert choice["logprobs"] is None and isinstance(choice["text"], str)
-    ids = _post(server.url, {"prompt": "The agent reads", "max_tokens": 1,
-                             "return_token_ids": True}).json()["choices"][0]  # fmt: skip
+    ids = _post(
+        server.url, {"prompt": "The agent reads", "max_tokens": 1, "return_token_ids": True}
+    ).json()["choices"][0]
     _, tok = load_model(server.model_path)
     assert ids["prompt_token_ids"] == tok.encode("The agent reads")
 
@@ -149,10 +158,15 @@ def test_bad_requests_get_openai_errors(server: Server, body: dict, status: int)
 def test_chat_route_renders_the_template_and_answers_like_the_token_route(server: Server) -> None:
     """/v1/chat/completions (for LiteLLM and direct baselines) = the chat template's ids sent
     to /v1/completions: same greedy tokens, same text, OpenAI's chat shape; bad input 4xx."""
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is up?"}]  # fmt: skip
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                   json={"messages": messages, "max_tokens": 5, "temperature": 0})  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is up?"},
+    ]
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "max_tokens": 5, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["object"] == "chat.completion" and data["model"] == "rollstream-tiny"
@@ -163,15 +177,20 @@ def test_chat_route_renders_the_template_and_answers_like_the_token_route(server
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == ChatTemplate.from_dir(server.model_path).encode(text).tolist()  # the proxy's
-    same = _post(server.url, {"prompt": list(ids), "max_tokens": 5, "temperature": 0,
-                              "return_token_ids": True}).json()["choices"][0]  # fmt: skip
+    same = _post(
+        server.url,
+        {"prompt": list(ids), "max_tokens": 5, "temperature": 0, "return_token_ids": True},
+    ).json()["choices"][0]
     assert choice["message"]["content"] == same["text"]
     assert data["usage"]["prompt_tokens"] == len(ids)
     assert data["usage"]["completion_tokens"] == len(same["token_ids"])
-    for bad, status in [({"messages": []}, 400), ({"messages": [{"role": "user"}]}, 400),
-                        ({"messages": messages, "tools": [{"type": "function"}]}, 400),
-                        ({"messages": messages, "stream": True}, 400),
-                        ({"messages": messages, "model": "gpt-9"}, 404)]:  # fmt: skip
+    for bad, status in [
+        ({"messages": []}, 400),
+        ({"messages": [{"role": "user"}]}, 400),
+        ({"messages": messages, "tools": [{"type": "function"}]}, 400),
+        ({"messages": messages, "stream": True}, 400),
+        ({"messages": messages, "model": "gpt-9"}, 404),
+    ]:
         r = httpx.post(f"{server.url}/v1/chat/completions", json=bad, timeout=60)
         assert r.status_code == status, (bad, r.text)
         assert r.json()["error"]["message"]
@@ -302,3 +321,21 @@ def test_pause_queues_requests_until_resume(server: Server) -> None:
             assert len((await queued).token_ids) >= 1
 
     run(main())
+
+
+def test_every_inference_error_has_the_one_root() -> None:
+    """One error root for the package: every exception class its modules define derives from
+    InferenceError (the tree in inference/errors.py)."""
+    import importlib
+    import inspect
+
+    from rollstream.inference.errors import InferenceError
+
+    found = []
+    for name in ("errors", "settings", "tinymodel", "engine", "wire", "server"):
+        module = importlib.import_module(f"rollstream.inference.{name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__.startswith("rollstream."):
+                found.append(cls)
+                assert issubclass(cls, InferenceError), cls
+    assert {c.__name__ for c in found} >= {"TinyModelError", "CheckpointError", "RequestRefused"}

@@ -1,0 +1,40 @@
+"""Settings of the reference inference server (``rollstream serve-model``, ``make-model``).
+
+Light on purpose: pydantic only, so ``rollstream serve-model --help`` names the variables and
+their defaults without torch installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from rollstream.schemas.settings import CommonSettings
+
+__all__ = ["LogprobsMode", "ModelServerSettings"]
+
+# The logprob of a sampled token: after temperature (the default) or of the raw logits (vLLM's).
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+
+class ModelServerSettings(CommonSettings):
+    """Settings of the reference inference server (ROLLSTREAM_MODEL_*)."""
+
+    model_path: Path | None = None  # default: <home>/models/tiny
+    model_name: str = "rollstream-tiny"  # the model id the API answers to
+    model_host: str = "127.0.0.1"  # where the server listens
+    model_port: int = 8100  # ... and its port
+    model_seed: int = 0  # seeds the tiny model when created, and requests sent without a seed
+    model_create: bool = True  # create the tiny model at model_path when none is there
+    model_max_batch: int = 16  # requests generated together in one batch
+    model_batch_wait_ms: float = 2.0  # wait this long for company before a batch starts
+    model_max_len: int | None = None  # default: the model's max_position_embeddings
+    model_max_queue: int = 4096  # queued requests beyond this are refused with a 503
+    model_max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies get a 413
+    model_logprobs_mode: LogprobsMode = "processed_logprobs"  # or raw_logprobs (vLLM's)
+    model_device: str = "cpu"  # torch device of the model
+    model_torch_threads: int | None = 1  # None: torch default (all cores); 1 is robust on CPU
+    model_log_level: str = "warning"  # uvicorn's log level
+
+    def resolved_model_path(self) -> Path:
+        return self.model_path if self.model_path is not None else self.home / "models" / "tiny"

@@ -1,0 +1,249 @@
+"""vLLM's OpenAI-compatible wire format, as the reference server speaks it: request bodies
+checked and turned into prompts and ``SamplingParams``, results turned into response bodies.
+
+Plain functions over JSON-able dicts (no HTTP here); every refusal is a ``RequestRefused``
+carrying the HTTP status and the offending parameter, answered with ``error_body``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rollstream.inference.errors import RequestRefused
+from rollstream.inference.tinymodel import GenerationResult, SamplingParams
+
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "chat_body",
+    "chat_prompt",
+    "check_model",
+    "completion_body",
+    "error_body",
+    "number",
+    "parse_json",
+    "prompts",
+    "sampling",
+]
+
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ErrorResponse: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError"}.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def parse_json(raw: bytes, limit: int = 64 * 1024) -> dict[str, Any]:
+    """A request body: a JSON object of at most ``limit`` bytes (an empty body is ``{}``)."""
+    if len(raw) > limit:
+        raise RequestRefused(f"request body over {limit} bytes", status=413)
+    try:
+        data = json.loads(raw or b"{}")
+    except json.JSONDecodeError as exc:
+        raise RequestRefused(f"invalid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RequestRefused("the request body must be a JSON object")
+    return data
+
+
+def number(
+    body: dict[str, Any], key: str, default: Any, kind: type = int, lo: float | None = None
+) -> Any:
+    """``body[key]`` as an int (or a float with ``kind=float``), ``default`` when absent."""
+    value = body.get(key)
+    if value is None:
+        return default
+    ok = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        raise RequestRefused(
+            f"`{key}` must be {'an integer' if kind is int else 'a number'}", param=key
+        )
+    if lo is not None and value < lo:
+        raise RequestRefused(f"`{key}` must be >= {lo}", param=key)
+    return kind(value)
+
+
+def _checked_ids(ids: list[int], vocab: int, param: str) -> list[int]:
+    if not ids:
+        raise RequestRefused("empty prompt", param=param)
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise RequestRefused(f"token id out of range [0, {vocab})", param=param)
+    return ids
+
+
+def prompts(body: dict[str, Any], tokenizer: Any, vocab: int) -> list[list[int]]:
+    """A prompt is a list of token ids or a string; a list of either is a batch of prompts."""
+    raw = body.get("prompt")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise RequestRefused("`prompt` must be token ids, a string, or a list of them", "prompt")
+    out: list[list[int]] = []
+    for item in raw:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=True)
+        elif isinstance(item, list) and all(type(t) is int for t in item):
+            ids = item
+        else:
+            raise RequestRefused("`prompt` must hold token ids or strings", param="prompt")
+        out.append(_checked_ids(ids, vocab, "prompt"))
+    return out
+
+
+def check_model(body: dict[str, Any], model_name: str) -> None:
+    if body.get("model") not in (None, model_name):
+        msg = f"The model `{body['model']}` does not exist."
+        raise RequestRefused(msg, status=404, param="model")
+
+
+def chat_prompt(body: dict[str, Any], tokenizer: Any, vocab: int, model_name: str) -> list[int]:
+    """The token ids of a chat request's messages, rendered with the model's template."""
+    check_model(body, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused("`messages` must be a non-empty list", param="messages")
+    for m in messages:
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise RequestRefused(
+                "each message needs a string `role` and a string `content`", param="messages"
+            )
+    if body.get("tools"):
+        raise RequestRefused(
+            "`tools` is not supported by the reference server's chat route", param="tools"
+        )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return _checked_ids(prompt, vocab, "messages")
+
+
+def sampling(body: dict[str, Any], max_len: int, longest: int, seed: int) -> SamplingParams:
+    """The request's sampling parameters; ``seed`` when it sends none; ``longest`` prompt."""
+    if (n := number(body, "n", 1)) != 1:
+        raise RequestRefused(f"only n=1 is supported, got {n}", param="n")
+    for flag in ("stream", "echo", "use_beam_search"):
+        if body.get(flag):
+            raise RequestRefused(f"`{flag}` is not supported by the reference server", flag)
+    max_tokens: int = number(body, "max_tokens", 16, lo=1)
+    temperature = number(body, "temperature", 1.0, float, lo=0)
+    top_p = number(body, "top_p", 1.0, float)
+    if not 0 < top_p <= 1:
+        raise RequestRefused("`top_p` must be in (0, 1]", param="top_p")
+    top = number(body, "logprobs", 0, lo=0)
+    if top > MAX_TOP_LOGPROBS:
+        raise RequestRefused(f"`logprobs` must be <= {MAX_TOP_LOGPROBS}", param="logprobs")
+    stops = body.get("stop_token_ids") or []
+    if not isinstance(stops, list) or not all(type(t) is int for t in stops):
+        raise RequestRefused("`stop_token_ids` must be a list of token ids", "stop_token_ids")
+    if longest + max_tokens > max_len:
+        raise RequestRefused(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the "
+            "completion).",
+            param="max_tokens",
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=number(body, "seed", seed),
+        stop_token_ids=tuple(stops),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        top_logprobs=top,
+    )
+
+
+def _logprobs_body(
+    r: GenerationResult, token_str: Callable[[int], str], want_top: bool
+) -> dict[str, Any]:
+    """vLLM's CompletionLogProbs: each step's top_logprobs holds the top-k and the sampled."""
+    tokens = [token_str(t) for t in r.token_ids]
+    offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+    top = [
+        {**({token_str(a): v for a, v in r.top_logprobs[i]} if want_top else {}), tokens[i]: lp}
+        for i, lp in enumerate(r.logprobs)
+    ]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": r.logprobs,
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
+
+
+def _usage(n_in: int, n_out: int) -> dict[str, int]:
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def completion_body(
+    body: dict[str, Any],
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    outs: Sequence[tuple[GenerationResult, int]],
+    tokenizer: Any,
+    model_name: str,
+) -> dict[str, Any]:
+    """A text_completion for ``prompts`` and their ``(result, policy version)`` outcomes;
+    ``policy_version`` (a rollstream extension) is the oldest version that served one."""
+    as_ids, want_ids = body.get("return_tokens_as_token_ids"), body.get("return_token_ids")
+    skip_special = body.get("skip_special_tokens", True) is not False
+    want_logprobs = body.get("logprobs") is not None
+
+    def token_str(t: int) -> str:
+        return f"token_id:{t}" if as_ids else str(tokenizer.decode([t]))
+
+    choices = [
+        {
+            "index": i,
+            "text": str(tokenizer.decode(r.token_ids, skip_special_tokens=skip_special)),
+            "logprobs": (
+                _logprobs_body(r, token_str, params.top_logprobs > 0) if want_logprobs else None
+            ),
+            "finish_reason": r.finish_reason,
+            "stop_reason": r.stop_reason,
+            "token_ids": r.token_ids if want_ids else None,
+            "prompt_token_ids": prompt if want_ids else None,
+        }
+        for i, (prompt, (r, _)) in enumerate(zip(prompts, outs, strict=True))
+    ]
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": _usage(sum(map(len, prompts)), sum(len(r.token_ids) for r, _ in outs)),
+        "policy_version": min(v for _, v in outs),
+    }
+
+
+def chat_body(
+    prompt: list[int], result: GenerationResult, version: int, tokenizer: Any, model_name: str
+) -> dict[str, Any]:
+    """A chat.completion with one choice: the completion's text as the assistant's reply."""
+    text = str(tokenizer.decode(result.token_ids, skip_special_tokens=True))
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": result.finish_reason,
+            }
+        ],
+        "usage": _usage(len(prompt), len(result.token_ids)),
+        "policy_version": version,
+    }
