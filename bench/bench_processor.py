@@ -1,4 +1,4 @@
-"""The stream processor (one faust worker, ``python -m rollstream.streams``) on the real broker.
+"""The stream processor (one faust worker, ``rollstream process``) on the real broker.
 
 Workload: agent rollouts of ``--turns`` LlmCalls (an append-only conversation: each call adds a
 ``--delta``-token prompt delta and a ``--completion``-token completion), then a Reward and
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict[str, Any]:
     log_file = open(tmp / "worker.log", "wb")  # noqa: SIM115 - the worker's, closed below
     t_spawn = time.monotonic()
     worker = subprocess.Popen(
-        [sys.executable, "-m", "rollstream.streams"],
+        [sys.executable, "-m", "rollstream.infra.cli", "process"],
         env=env,
         stdout=log_file,
         stderr=subprocess.STDOUT,

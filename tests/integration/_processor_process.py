@@ -1,5 +1,5 @@
-"""The stream processor as a subprocess (``python -m rollstream.streams``, so tests can SIGKILL
-it) and a background reader of a topic: shared by the processor's integration tests."""
+"""The stream processor as a subprocess (``rollstream process``, so tests can SIGKILL it) and a
+background reader of a topic: shared by the processor's integration tests."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ GROUP_TIMEOUT_S = 3.0
 
 
 class Worker(LoggedProcess):
-    """``python -m rollstream.streams`` as a subprocess (so it can be SIGKILLed)."""
+    """``rollstream process`` as a subprocess (so it can be SIGKILLed)."""
 
     def __init__(self, settings: CommonSettings, tmp_path: Path, **env: str) -> None:
         super().__init__(
-            "rollstream.streams", settings, tmp_path, "worker.log",
+            ["process"], settings, tmp_path, "worker.log",
             {
                 "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": str(GROUP_TIMEOUT_S),
                 "ROLLSTREAM_PROC_TIMER_INTERVAL_S": "0.5",

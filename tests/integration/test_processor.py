@@ -1,4 +1,4 @@
-"""The stream processor (faust worker, ``python -m rollstream.streams``) on the real broker:
+"""The stream processor (faust worker, ``rollstream process``) on the real broker:
 events in, samples out with the ids the pure core computes; SIGKILL mid-stream loses nothing;
 poison records go to the DLQ with the reason in headers and the stream keeps going."""
 
@@ -26,6 +26,7 @@ from rollstream.schemas import (
     Sample,
     Trajectory,
 )
+from rollstream.schemas.dlq import read_headers
 from rollstream.streams.app import group_route
 from rollstream.streams.core import (
     GroupClosed,
@@ -35,7 +36,6 @@ from rollstream.streams.core import (
     expire_group,
     replay,
 )
-from rollstream.schemas.dlq import read_headers
 
 pytestmark = pytest.mark.integration
 

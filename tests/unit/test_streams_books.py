@@ -21,6 +21,7 @@ from rollstream.schemas import (
     Sample,
     Trajectory,
 )
+from rollstream.schemas.dlq import read_headers
 from rollstream.streams.aggregation import GroupBook
 from rollstream.streams.app import group_route
 from rollstream.streams.books import Out, PartitionClock, RolloutBook, Sink, Step
@@ -31,7 +32,6 @@ from rollstream.streams.core import (
     add_to_group,
     replay,
 )
-from rollstream.schemas.dlq import read_headers
 from rollstream.streams.offsets import Admit, OffsetGuard
 
 codec = Codec()
