@@ -17,6 +17,22 @@ so the SDK's import path stays light). The modules that raise them re-export the
     │   ├── SandboxFileError         copy in/out outside the workdir, missing or too large
     │   └── SandboxExecError         a command could not be started (an exit code or a
     │                                timeout is a result, not an error)
+    ├── JobSpecError                 (rollouts/jobs.py) a job spec that cannot be used: bad YAML
+    │                                or JSON, a field out of bounds, an unknown agent, sandbox or
+    │                                evaluator kind; .field is its path ("agent.max_turns"),
+    │                                .source the file (ValueError)
+    ├── AgentError                   (rollouts/agents.py) an agent that cannot be built (bad
+    │                                options; ValueError); what happens in a run is an
+    │                                AgentOutcome, not an error
+    ├── EvaluatorError               (rollouts/evaluators.py) an evaluator that cannot be built
+    │                                ("module:function" not importable, not callable;
+    │                                ValueError); a check that crashes or times out is an
+    │                                Evaluation, not an error
+    ├── RolloutCallError             (rollouts/agents.py RolloutClient, rollouts/runner.py
+    │   │                            ProxyClient) a call to the proxy's rollout API got no
+    │   │                            answer or a refusal; .status (None: no answer)
+    │   └── RolloutExists            the rollout id is taken at the proxy (409): a redelivered
+    │                                stage message, not a second rollout
     └── ProxyError                   root of the recording proxy's errors (producers/proxy)
         ├── ProxyConfigError         a setting or argument the proxy cannot work with (ValueError)
         ├── ApiError                 (openai_wire.py) an HTTP error answer: status, OpenAI error
@@ -39,7 +55,9 @@ so the SDK's import path stays light). The modules that raise them re-export the
 
 Private control flow that never leaves its module is not part of the tree: http1.py's
 ``_Stale`` (a reused keep-alive connection the server had closed; the request is resent on a
-fresh connection inside ``Http1Transport.exchange``).
+fresh connection inside ``Http1Transport.exchange``) and rollouts/agents.py's ``_ToolFailure``
+(a tool call the model got wrong; answered to the model as a tool error inside the tool
+agent's loop).
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "AgentError",
     "ApiError",
     "BackendError",
     "BackendProtocolError",
@@ -56,8 +75,10 @@ __all__ = [
     "ChatInputError",
     "ChatTemplateError",
     "ContextError",
+    "EvaluatorError",
     "Http1Error",
     "Http1ErrorKind",
+    "JobSpecError",
     "NoBackendAvailable",
     "PoolError",
     "PoolPaused",
@@ -66,6 +87,8 @@ __all__ = [
     "ProxyError",
     "RecorderError",
     "RecorderUsageError",
+    "RolloutCallError",
+    "RolloutExists",
     "SandboxError",
     "SandboxExecError",
     "SandboxFileError",
@@ -244,3 +267,37 @@ class SandboxFileError(SandboxError):
 
 class SandboxExecError(SandboxError):
     """The command could not be started (a non-zero exit or a timeout is an ExecResult)."""
+
+
+# --------------------------------------------------------------------------- the rollout service
+
+
+class JobSpecError(ProducerError, ValueError):
+    """A job spec that cannot be used; ``field`` is the path of the offending value
+    (``agent.max_turns``, ``tasks.inline[2].prompt``) and ``source`` the file, where known."""
+
+    def __init__(self, message: str, *, field: str = "", source: str = "") -> None:
+        where = ": ".join(part for part in (source, field) if part)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.field, self.source, self.message = field, source, message
+
+
+class AgentError(ProducerError, ValueError):
+    """An agent that cannot be built from its options."""
+
+
+class EvaluatorError(ProducerError, ValueError):
+    """An evaluator that cannot be built (its function cannot be imported, or is no callable)."""
+
+
+class RolloutCallError(ProducerError):
+    """A call to the proxy's rollout API got no answer, or a refusal; ``status`` is the HTTP
+    status it answered (None: no answer)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RolloutExists(RolloutCallError):
+    """The proxy has (or had) a rollout with this id: the stage message was delivered again."""

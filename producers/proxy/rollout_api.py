@@ -299,7 +299,8 @@ class RolloutApi:
 
     async def tool_calls(self, request: HttpRequest) -> Answer:
         """A tool the harness ran: {name, arguments, result, is_error, duration_ms, sandbox,
-        at_call_id, tool_call_id} (tool results sent as chat messages are recorded already)."""
+        at_call_id, tool_call_id}. A tool_call_id already recorded (posted here before, or sent
+        as a chat tool message) is answered ``duplicate: true`` and not recorded again."""
         ro = self._open(request)
         body = await request.json()
         name = body.get("name")
@@ -315,6 +316,12 @@ class RolloutApi:
             raise ApiError(400, "`duration_ms` must be a number", param="duration_ms")
         opt = {k: _opt_str(body, k, None) for k in ("sandbox", "at_call_id", "tool_call_id")}
         text = result if isinstance(result, str) else dumps(result).decode()
+        tid = opt["tool_call_id"]
+        if tid and not ro.memory.claim_tool_result(tid):  # recorded already (here or as a chat
+            # tool message): one ToolCall per tool_call_id, however often it is reported
+            return json_answer(
+                {"rollout_id": ro.rollout_id, "tool_call_id": tid, "duplicate": True}
+            )
         try:
             tid = ro.handle.tool_call(
                 name, arguments, text, is_error=bool(body.get("is_error", False)),

@@ -254,9 +254,14 @@ def test_openai_client_multi_turn_with_tools(
         auth = {"Authorization": f"Bearer {ro['token']}"}
         last_call = resp.model_extra["rollstream"]["call_id"]
         tool = {"name": "get_weather", "arguments": {"city": "Paris"}, "result": "sunny, 21C",
-                "duration_ms": 3.5, "at_call_id": last_call}  # fmt: skip
+                "duration_ms": 3.5, "at_call_id": last_call,
+                "tool_call_id": "call_api_1"}  # fmt: skip
         r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/tool_calls", json=tool, headers=auth)
         assert r.status_code == 200, r.text
+        assert "duplicate" not in r.json()
+        # the same tool call reported again (a retried request): answered, not recorded twice
+        r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/tool_calls", json=tool, headers=auth)
+        assert r.status_code == 200 and r.json()["duplicate"] is True, r.text
         r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/rewards", json={"value": 1.0},
                        headers=auth)  # fmt: skip
         assert r.status_code == 200

@@ -1,0 +1,426 @@
+"""One rollout, INIT -> RUN -> EVAL, on real parts: the reference model server and the recording
+proxy started through the CLI (`rollstream serve-model`, `rollstream proxy`) on the session's
+Kafka broker, bubblewrap sandboxes, the tool agent and the suite evaluator. The tiny random model
+solves nothing, so the first run asserts the mechanics on the log (RolloutStarted, its LlmCalls,
+the evaluator's rewards, one RolloutFinished); a scripted agent that writes the reference
+solution through the sandbox gets the final reward 1.0 on the log. A redelivered plan makes no
+second rollout. Then the runner's stage outcomes (a sandbox that cannot start, a failing or
+raising agent, an evaluation past its deadline) against a fake proxy at the HTTP edge: each
+finishes its rollout with the stage and the reason, no reward, and leaves no sandbox."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from _kafka_read import read_topic
+from _logged_process import LoggedProcess
+
+from rollstream.adapters.topics import ensure_topics
+from rollstream.inference.tinymodel import ensure_tiny_model
+from rollstream.infra.kafka import KafkaBroker
+from rollstream.producers.rollouts.agents import (
+    AgentContext,
+    AgentOutcome,
+    RolloutClient,
+    build_agent,
+)
+from rollstream.producers.rollouts.bwrap import BwrapProvider
+from rollstream.producers.rollouts.evaluators import build_evaluator
+from rollstream.producers.rollouts.jobs import JobSpec, expand, parse_job, resolve_tasks
+from rollstream.producers.rollouts.runner import RolloutExists, RolloutResult, run_rollout
+from rollstream.producers.rollouts.tasks import Task
+from rollstream.schemas import (
+    Codec,
+    CommonSettings,
+    Event,
+    LlmCall,
+    Reward,
+    RolloutFinished,
+    RolloutStarted,
+    ToolCall,
+)
+
+pytestmark = pytest.mark.integration
+
+ADMIN = "admin-key-for-rollout-tests"
+TASK_ID = "balanced-brackets"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: LoggedProcess, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.proc is not None and proc.proc.poll() is None, proc.log_tail()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not come up:\n{proc.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def settings(kafka: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> CommonSettings:
+    home = tmp_path_factory.mktemp("rollouts-home")
+    s = CommonSettings(
+        kafka_bootstrap=kafka.bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}", home=home
+    )
+    ensure_topics(s)
+    return s
+
+
+@pytest.fixture(scope="module")
+def proxy_url(settings: CommonSettings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("rollout-services")
+    model_dir = ensure_tiny_model(tmp / "models" / "tiny")
+    model_port, proxy_port = free_port(), free_port()
+    model = LoggedProcess(
+        ["serve-model"],
+        settings,
+        tmp,
+        "model.log",
+        env={
+            "ROLLSTREAM_MODEL_PATH": str(model_dir),
+            "ROLLSTREAM_MODEL_PORT": str(model_port),
+            "ROLLSTREAM_MODEL_CREATE": "false",
+        },
+    )
+    proxy = LoggedProcess(
+        ["proxy"],
+        settings,
+        tmp,
+        "proxy.log",
+        env={
+            "ROLLSTREAM_PROXY_PORT": str(proxy_port),
+            "ROLLSTREAM_PROXY_BACKENDS": f"http://127.0.0.1:{model_port}",
+            "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
+            "ROLLSTREAM_PROXY_API_KEYS": ADMIN,
+            "ROLLSTREAM_PROXY_TOKEN_SECRET": "secret-for-rollout-integration-tests",
+            "ROLLSTREAM_PROXY_HEALTH_INTERVAL_S": "0.5",
+            "ROLLSTREAM_SPOOL_DIR": str(tmp / "spool"),
+            "ROLLSTREAM_PRODUCER": "proxy-rollouts-it",
+        },
+    )
+    model.start()
+    proxy.start()  # both load at once; the proxy waits for its backend
+    try:
+        wait_healthy(f"http://127.0.0.1:{model_port}", model)
+        url = f"http://127.0.0.1:{proxy_port}"
+        wait_healthy(url, proxy)
+        yield url
+    finally:
+        proxy.stop()
+        model.stop()
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[BwrapProvider]:
+    # bwrap runs as an unprivileged host user when we are root: it must reach the root dir
+    root = Path(tempfile.mkdtemp(prefix="rs-runner-"))
+    root.chmod(0o755)
+    yield BwrapProvider(root / "bwrap")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def make_job(job_id: str, **changes: Any) -> tuple[JobSpec, Task]:
+    spec = {
+        "job_id": job_id,
+        "tasks": {"suite": "pycoding", "ids": [TASK_ID]},
+        "agent": {"kind": "tool", "max_turns": 2, "max_tokens": 16},
+        "sandbox": {"kind": "bwrap", "limits": {"timeout": 60}},
+        "timeouts": {"init": 60, "run": 60, "eval": 60},
+        "run_id": "it",
+        **changes,
+    }
+    job = parse_job(spec)
+    (task,) = resolve_tasks(job)
+    return job, task
+
+
+def events_of(settings: CommonSettings, rollout_id: str, timeout: float = 30.0) -> list[Event]:
+    """The rollout's events in seq order, once its RolloutFinished is on the topic."""
+    codec = Codec()
+    deadline = time.monotonic() + timeout
+    while True:
+        messages = read_topic(settings, settings.topics().events, timeout)
+        events = [codec.decode(m.value()) for m in messages]
+        mine = sorted((e for e in events if e.rollout_id == rollout_id), key=lambda e: e.seq)
+        if any(isinstance(e.body, RolloutFinished) for e in mine):
+            assert [e.seq for e in mine] == list(range(len(mine)))
+            return mine
+        assert time.monotonic() < deadline, f"no RolloutFinished for {rollout_id}: {mine}"
+        time.sleep(0.3)
+
+
+def rewards(events: list[Event]) -> list[Reward]:
+    return [e.body for e in events if isinstance(e.body, Reward)]
+
+
+class ScriptedAgent:
+    """Writes the reference solution through the sandbox and records each write."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    @property
+    def name(self) -> str:
+        return "scripted"
+
+    def run(self, ctx: AgentContext) -> AgentOutcome:
+        with RolloutClient(ctx.endpoint) as client:
+            for path, text in sorted(self.task.solution.items()):
+                where = ctx.sandbox.copy_in(text.encode(), path)
+                client.tool_call(
+                    name="write_file",
+                    arguments=json.dumps({"path": path, "content": text}),
+                    result=f"wrote {where}",
+                    is_error=False,
+                    duration_ms=1.0,
+                    sandbox=ctx.sandbox.id,
+                    at_call_id=None,
+                    tool_call_id=None,
+                )
+        return AgentOutcome("ok", "submit", tool_calls=len(self.task.solution))
+
+
+def test_tool_agent_rollout_on_the_log(
+    settings: CommonSettings, proxy_url: str, provider: BwrapProvider
+) -> None:
+    job, task = make_job("it-tool")
+    (plan,) = expand(job, [task])
+    t0 = time.monotonic()
+    result = run_rollout(
+        plan,
+        job,
+        task,
+        proxy_url=proxy_url,
+        admin_key=ADMIN,
+        sandbox_provider=provider,
+        agent=build_agent(job.agent),
+        evaluator=build_evaluator(job.evaluator),
+        worker_id="w1",
+    )
+    assert time.monotonic() - t0 < 60
+    assert result.status == "completed" and result.stage == "done", result
+    assert result.agent is not None and result.agent.turns >= 1
+    assert result.evaluation is not None and result.evaluation.final == 0.0  # unsolved
+    assert result.sandbox_id is not None and provider.records() == []  # destroyed
+
+    events = events_of(settings, plan.rollout_id)
+    started, finished = events[0].body, events[-1].body
+    assert isinstance(started, RolloutStarted) and isinstance(finished, RolloutFinished)
+    assert (started.task_id, started.group_id, started.attempt, started.group_size) == (
+        TASK_ID,
+        plan.group_id,
+        0,
+        1,
+    )
+    assert (started.run_id, started.harness) == ("it", "tool")
+    assert started.metadata["job_id"] == "it-tool" and started.metadata["sample"] == "0"
+    assert started.sampling["max_tokens"] == 16
+    calls = [e.body for e in events if isinstance(e.body, LlmCall)]
+    assert len(calls) == result.agent.turns >= 1
+    assert sum(isinstance(e.body, RolloutFinished) for e in events) == 1
+    assert (finished.status.value, finished.error) == ("completed", None)
+    got = rewards(events)
+    assert got and {r.evaluator for r in got} == {"suite"}
+    finals = [r for r in got if r.kind.value == "final"]
+    assert [(r.value, r.name) for r in finals] == [(0.0, "suite")]
+    milestones = [(r.name, r.value) for r in got if r.kind.value == "milestone"]
+    assert milestones == [(n, pytest.approx(v)) for n, v in result.evaluation.milestones]
+    assert len(milestones) < len(task.hidden_test_names())
+
+
+def test_scripted_agent_writes_the_solution_and_scores_one(
+    settings: CommonSettings, proxy_url: str, provider: BwrapProvider
+) -> None:
+    job, task = make_job("it-scripted")
+    (plan,) = expand(job, [task])
+    run = {
+        "proxy_url": proxy_url,
+        "admin_key": ADMIN,
+        "sandbox_provider": provider,
+        "agent": ScriptedAgent(task),
+        "evaluator": build_evaluator(job.evaluator),
+    }
+    result = run_rollout(plan, job, task, **run)
+    assert (result.status, result.evaluation and result.evaluation.final) == ("completed", 1.0)
+
+    events = events_of(settings, plan.rollout_id)
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "RolloutStarted" and kinds[-1] == "RolloutFinished"
+    assert kinds.count("RolloutFinished") == 1 and "LlmCall" not in kinds
+    tools = [e.body for e in events if isinstance(e.body, ToolCall)]
+    assert [t.name for t in tools] == ["write_file"] * len(task.solution)
+    assert {t.sandbox for t in tools} == {result.sandbox_id}
+    got = rewards(events)
+    assert [(r.value, r.evaluator) for r in got if r.kind.value == "final"] == [(1.0, "suite")]
+    names = [r.name for r in got if r.kind.value == "milestone"]
+    assert names == task.hidden_test_names()
+    assert sum(r.value for r in got if r.kind.value == "milestone") == pytest.approx(1.0)
+
+    # the same plan delivered again: no second rollout, no sandbox
+    with pytest.raises(RolloutExists):
+        run_rollout(plan, job, task, **run)
+    again = events_of(settings, plan.rollout_id)
+    assert [e.kind for e in again] == kinds
+    assert provider.records() == []
+
+
+# --------------------------------------------------------------------------- stage outcomes
+
+
+class FakeProxy:
+    """The rollout API at the HTTP edge: opens rollouts (409 for a taken id), takes rewards and
+    finishes, and remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+        self.rewards: dict[str, list[dict[str, Any]]] = {}
+        self.finished: dict[str, tuple[str, str | None]] = {}
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        assert request.headers["authorization"] == f"Bearer {ADMIN}"
+        body = json.loads(request.content)
+        parts = request.url.path.strip("/").split("/")
+        if parts == ["v1", "rollouts"]:
+            rid = body["rollout_id"]
+            if rid in self.open:
+                return httpx.Response(409, json={"error": {"message": "exists"}})
+            self.open.add(rid)
+            return httpx.Response(
+                201,
+                json={
+                    "rollout_id": rid,
+                    "base_url": f"http://proxy.test/rollouts/{rid}/v1",
+                    "token": f"rs1.{rid}.sig",
+                    "policy_version": 3,
+                },
+            )
+        rid, action = parts[2], parts[3]
+        if action == "rewards":
+            self.rewards.setdefault(rid, []).extend(body["rewards"])
+        elif action == "finish":
+            self.finished[rid] = (body["status"], body["error"])
+        return httpx.Response(200, json={"rollout_id": rid})
+
+
+class FixedAgent:
+    def __init__(self, outcome: AgentOutcome | None) -> None:
+        self.outcome = outcome
+
+    @property
+    def name(self) -> str:
+        return "fixed"
+
+    def run(self, ctx: AgentContext) -> AgentOutcome:
+        if self.outcome is None:
+            raise RuntimeError("agent bug")
+        return self.outcome
+
+
+def run_faked(
+    provider: BwrapProvider, agent: FixedAgent, **changes: Any
+) -> tuple[RolloutResult, FakeProxy]:
+    job, task = make_job(f"fake-{uuid.uuid4().hex[:8]}", **changes)
+    (plan,) = expand(job, [task])
+    fake = FakeProxy()
+    result = run_rollout(
+        plan,
+        job,
+        task,
+        proxy_url="http://proxy.test",
+        admin_key=ADMIN,
+        sandbox_provider=provider,
+        agent=agent,
+        evaluator=build_evaluator(job.evaluator),
+        transport=httpx.MockTransport(fake.handler),
+    )
+    assert provider.records() == []  # the sandbox is gone, whatever happened
+    assert list(fake.finished) == [plan.rollout_id]
+    return result, fake
+
+
+def test_a_sandbox_that_cannot_start_fails_init(provider: BwrapProvider) -> None:
+    result, fake = run_faked(
+        provider,
+        FixedAgent(AgentOutcome("ok", "submit")),
+        sandbox={"kind": "bwrap", "image": "/no/such/rootfs"},
+    )
+    assert (result.status, result.stage, result.agent) == ("failed", "init", None)
+    ((status, error),) = fake.finished.values()
+    assert status == "failed" and error is not None and error.startswith("init: ")
+    assert "/no/such/rootfs" in error and fake.rewards == {}
+
+
+def test_a_failed_agent_is_not_evaluated(provider: BwrapProvider) -> None:
+    result, fake = run_faked(provider, FixedAgent(AgentOutcome("failed", "error", "proxy gone")))
+    assert (result.status, result.stage, result.evaluation) == ("failed", "run", None)
+    assert list(fake.finished.values()) == [("failed", "run: proxy gone")]
+    assert fake.rewards == {}
+
+
+def test_an_agent_that_raises_fails_the_rollout(provider: BwrapProvider) -> None:
+    result, fake = run_faked(provider, FixedAgent(None))
+    ((status, error),) = fake.finished.values()
+    assert (result.status, status) == ("failed", "failed") and "agent bug" in (error or "")
+
+
+def test_an_agent_past_its_deadline_is_scored_and_timed_out(provider: BwrapProvider) -> None:
+    outcome = AgentOutcome("timeout", "deadline", "the run's deadline passed")
+    result, fake = run_faked(provider, FixedAgent(outcome))
+    assert (result.status, result.stage) == ("timeout", "done")
+    assert list(fake.finished.values()) == [("timeout", "run: the run's deadline passed")]
+    (posted,) = fake.rewards.values()
+    assert [r["kind"] for r in posted][-1] == "final" and posted[-1]["value"] == 0.0
+
+
+def test_an_evaluation_past_its_deadline_is_a_timeout_without_reward(
+    provider: BwrapProvider,
+) -> None:
+    result, fake = run_faked(
+        provider,
+        FixedAgent(AgentOutcome("ok", "submit")),
+        evaluator={"kind": "command", "argv": ["sleep", "30"]},
+        timeouts={"eval": 1},
+    )
+    assert (result.status, result.stage) == ("timeout", "eval")
+    ((status, error),) = fake.finished.values()
+    assert status == "timeout" and (error or "").startswith("eval: ran past")
+    assert fake.rewards == {} and result.rewards == ()
+
+
+def test_a_redelivered_plan_makes_nothing(provider: BwrapProvider) -> None:
+    job, task = make_job("fake-redelivered")
+    (plan,) = expand(job, [task])
+    fake = FakeProxy()
+    fake.open.add(plan.rollout_id)
+    with pytest.raises(RolloutExists):
+        run_rollout(
+            plan,
+            job,
+            task,
+            proxy_url="http://proxy.test",
+            admin_key=ADMIN,
+            sandbox_provider=provider,
+            agent=FixedAgent(AgentOutcome("ok", "submit")),
+            evaluator=build_evaluator(job.evaluator),
+            transport=httpx.MockTransport(fake.handler),
+        )
+    assert fake.finished == {} and provider.records() == []
