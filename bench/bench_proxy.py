@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import shutil
@@ -124,11 +125,9 @@ def serve_proxy(
 
     try:
         from rollstream.producers.proxy.app import ProxySettings, create_app
-    except ImportError:  # a --baseline-rev from before the service/app split
-        from rollstream.producers.proxy.service import (
-            ProxySettings,
-            create_app,
-        )
+    except ImportError:  # a --baseline-rev from before the rooms: producers/proxy.py
+        old = importlib.import_module("rollstream.producers.proxy")
+        ProxySettings, create_app = old.ProxySettings, old.create_app
 
     kw: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
     if http_client:
