@@ -173,6 +173,29 @@ def cmd_replay(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
+def cmd_run_job(args: argparse.Namespace, settings: Any) -> int:
+    from rich.table import Table
+
+    from rollstream.producers.rollouts.jobs import load_job
+    from rollstream.producers.rollouts.local_jobs import run_job
+
+    job = load_job(args.job)
+    console = _console()
+    table = Table("task", "sample", "attempt", "status", "reward", "stage", "reason")
+    with console.status(f"job {job.id}: running ..."):
+        results = run_job(job, settings)
+    for r in results:
+        final = [v for kind, _, v in r.rewards if kind == "final"]
+        table.add_row(
+            r.plan.task_id, str(r.plan.sample_index), str(r.plan.attempt), r.status,
+            f"{final[0]:.3f}" if final else "-", r.stage, r.reason[:60],
+        )  # fmt: skip
+    _console(stderr=False).print(table)
+    done = sum(r.status == "completed" for r in results)
+    console.print(f"job {job.id}: {done}/{len(results)} rollouts completed")
+    return 0
+
+
 _BROKER = (
     flag(
         "--host",
@@ -379,6 +402,24 @@ _COMMANDS = (
             flag("--url", help="analytics server or ClickHouse URL", setting="analytics_url"),
         ),
         cmd_report,
+    ),
+    Command(
+        "run-job",
+        "run a rollout job (tasks x samples) in this process: sandbox, agent, evaluator",
+        "rollstream.producers.rollouts.settings:RolloutSettings",
+        "rollouts",
+        (
+            flag("job", help="the job file (YAML or JSON; see examples/job.yaml)"),
+            flag("--proxy", help="the recording proxy's URL", setting="rollouts_proxy_url"),
+            flag(
+                "--concurrency",
+                help="rollouts at once",
+                setting="rollouts_concurrency",
+                type=int,
+                metavar="N",
+            ),
+        ),
+        cmd_run_job,
     ),
     Command(
         "replay",

@@ -42,6 +42,7 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
     ),
     ("reports (`report`)", "rollstream.consumers.analytics.report_cli", "ReportSettings"),
     ("replay (`replay`)", "rollstream.consumers.analytics.replay", "ReplaySettings"),
+    ("rollout jobs (`run-job`)", "rollstream.producers.rollouts.settings", "RolloutSettings"),
 )
 
 _FIELD = re.compile(r"^\s{4}(\w+)\s*:[^#]*?(?:#\s*(.*))?$")

@@ -11,8 +11,11 @@ finishes its rollout with the stage and the reason, no reward, and leaves no san
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -37,7 +40,9 @@ from rollstream.producers.rollouts.agents import (
 from rollstream.producers.rollouts.bwrap import BwrapProvider
 from rollstream.producers.rollouts.evaluators import build_evaluator
 from rollstream.producers.rollouts.jobs import JobSpec, expand, parse_job, resolve_tasks
+from rollstream.producers.rollouts.local_jobs import run_job
 from rollstream.producers.rollouts.runner import RolloutExists, RolloutResult, run_rollout
+from rollstream.producers.rollouts.settings import RolloutSettings
 from rollstream.producers.rollouts.tasks import Task
 from rollstream.schemas import (
     Codec,
@@ -424,3 +429,81 @@ def test_a_redelivered_plan_makes_nothing(provider: BwrapProvider) -> None:
             transport=httpx.MockTransport(fake.handler),
         )
     assert fake.finished == {} and provider.records() == []
+
+
+# --------------------------------------------------------------------------- whole jobs
+
+
+def _rollout_settings(settings: CommonSettings, proxy_url: str) -> dict[str, str]:
+    root = Path(tempfile.mkdtemp(prefix="rs-jobs-"))
+    root.chmod(0o755)  # bwrap runs as an unprivileged host user when we are root
+    return {
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "ROLLSTREAM_NAMESPACE": settings.namespace,
+        "ROLLSTREAM_HOME": str(settings.home),
+        "ROLLSTREAM_ROLLOUTS_PROXY_URL": proxy_url,
+        "ROLLSTREAM_ROLLOUTS_ADMIN_KEY": ADMIN,
+        "ROLLSTREAM_ROLLOUTS_SANDBOX_ROOT": str(root / "sandboxes"),
+        "ROLLSTREAM_ROLLOUTS_CONCURRENCY": "2",
+    }
+
+
+def test_run_job_command_runs_every_sample_to_the_log(
+    settings: CommonSettings, proxy_url: str, tmp_path: Path
+) -> None:
+    spec = {
+        "job_id": "it-cli",
+        "tasks": {"suite": "pycoding", "ids": [TASK_ID]},
+        "samples_per_task": 2,
+        "agent": {"kind": "tool", "max_turns": 1, "max_tokens": 8},
+        "sandbox": {"kind": "bwrap", "limits": {"timeout": 60}},
+        "run_id": "it",
+    }
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(spec))
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
+        **_rollout_settings(settings, proxy_url),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "rollstream.infra.cli", "run-job", str(job_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "it-cli: 2/2 rollouts completed" in done.stderr, done.stderr[-3000:]
+    job = parse_job(spec)
+    plans = expand(job, resolve_tasks(job))
+    assert [p.sample_index for p in plans] == [0, 1]
+    for plan in plans:  # each sample: one rollout on the log, ended once, in its GRPO group
+        events = events_of(settings, plan.rollout_id)
+        assert isinstance(events[0].body, RolloutStarted)
+        assert events[0].body.group_id == plans[0].group_id and events[0].body.group_size == 2
+        assert sum(isinstance(e.body, RolloutFinished) for e in events) == 1
+
+
+def test_run_job_retries_a_rollout_whose_sandbox_cannot_start(
+    settings: CommonSettings, proxy_url: str
+) -> None:
+    env = _rollout_settings(settings, proxy_url)
+    rs = RolloutSettings.model_validate(
+        {k.removeprefix("ROLLSTREAM_").lower(): v for k, v in env.items()}
+    )
+    job, _ = make_job(
+        "it-retry",
+        attempts=2,
+        sandbox={"kind": "bwrap", "image": "/nonexistent/rootfs", "limits": {"timeout": 60}},
+    )
+    (result,) = run_job(job, rs)
+    assert (result.status, result.stage, result.plan.attempt) == ("failed", "init", 1)
+    assert "image" in result.reason
+    first, second = expand(job, resolve_tasks(job))[0], result.plan
+    assert first.rollout_id != second.rollout_id and first.group_id == second.group_id
+    for plan in (first, second):  # both attempts are on the log, each ended with its reason
+        events = events_of(settings, plan.rollout_id)
+        assert events[0].body.attempt == plan.attempt
+        (finished,) = [e.body for e in events if isinstance(e.body, RolloutFinished)]
+        assert finished.status == "failed" and finished.error.startswith("init:")
+        assert not [e for e in events if isinstance(e.body, Reward)]  # never a silent zero
