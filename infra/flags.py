@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollstream.infra.errors import InfraError
+
 __all__ = [
     "COMMON",
     "Command",
@@ -91,7 +93,7 @@ class Command:
         return (*COMMON, *self.flags)
 
 
-class MissingExtra(Exception):
+class MissingExtra(InfraError):
     """A command needs a module that only one of rollstream's extras installs."""
 
     def __init__(self, command: Command, module: str) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollstream.infra.errors import BrokerStartError, ClasspathError, KafkaError
+
 __all__ = [
     "POM",
     "BrokerConfig",
@@ -40,18 +42,6 @@ __all__ = [
 ]
 
 POM = Path(__file__).parent / "kafka" / "pom.xml"
-
-
-class KafkaError(Exception):
-    """Root of rollstream.infra.kafka errors."""
-
-
-class ClasspathError(KafkaError):
-    """Maven could not resolve the broker's jars."""
-
-
-class BrokerStartError(KafkaError):
-    """The broker exited or did not answer metadata in time."""
 
 
 def free_port() -> int:

@@ -18,11 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from rollstream.infra.errors import ServiceError
+
 __all__ = ["Service", "ServiceError", "Supervisor"]
-
-
-class ServiceError(Exception):
-    """A service exited or did not become ready."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ from rollstream.schemas import TopicSpec
 
 from .aggregation import GroupBook
 from .books import RolloutBook, Route, Sink, Step, Write
+from .errors import ProcessorError, TopicMissingError
 from .offsets import Admit, OffsetGuard
 from .settings import ProcessorSettings
 
@@ -61,14 +62,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _NEVER = 1 << 62  # a record count faust's inline commit never reaches
-
-
-class ProcessorError(Exception):
-    """Root of the processor shell's errors."""
-
-
-class TopicMissingError(ProcessorError):
-    """A topic the processor reads does not exist (run ``rollstream topics`` / ``up``)."""
 
 
 async def _no_gap(tp: Any, offset_from: int, offset_to: int) -> None:

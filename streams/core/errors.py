@@ -1,6 +1,6 @@
 """Errors of the pure stream core, and the codes of contract violations.
 
-StreamsCoreError            root of rollstream.streams.core
+StreamsCoreError            root of rollstream.streams.core (a StreamsError: streams/errors.py)
 ├── ConfigError             a config that cannot work (unknown scorer name, bad numbers)
 ├── ContractViolation       an event or record that breaks the event contract; carries an
 │   │                       InvalidCode. apply() never lets it out: it becomes an Invalid
@@ -13,6 +13,8 @@ StreamsCoreError            root of rollstream.streams.core
 from __future__ import annotations
 
 import enum
+
+from rollstream.streams.errors import StreamsError
 
 __all__ = [
     "ConfigError",
@@ -47,7 +49,7 @@ class InvalidCode(enum.StrEnum):
     BAD_TRAJECTORY = "bad_trajectory"  # a Trajectory record whose tree is inconsistent
 
 
-class StreamsCoreError(Exception):
+class StreamsCoreError(StreamsError):
     """Root of every error raised by rollstream.streams.core."""
 
 
