@@ -64,6 +64,7 @@ __all__ = [
     "SchemaRegistry",
     "SchemaSet",
     "load_schema",
+    "previous_schemas",
     "registry_subject",
 ]
 
@@ -125,6 +126,17 @@ def load_schema(name: str, avro_dir: Path = AVRO_DIR) -> dict[str, Any]:
     return expanded
 
 
+def previous_schemas(avro_dir: Path = AVRO_DIR) -> list[dict[str, Any]]:
+    """The earlier versions of the record schemas, kept self-contained (expanded) in
+    ``<name>.v<N>.avsc`` files: a default ``SchemaSet`` knows them as writers, so records that an
+    older release wrote (single-object encoding names the writer by fingerprint alone) still
+    decode, read into the current schema. A schema change adds the version it replaces here."""
+    found: list[dict[str, Any]] = [
+        json.loads(path.read_text()) for path in sorted(avro_dir.glob("*.v[0-9]*.avsc"))
+    ]
+    return found
+
+
 class _Schema:
     """One parsed schema with its fingerprint and full name."""
 
@@ -140,14 +152,20 @@ class _Schema:
 
 
 class SchemaSet:
-    """Reader schemas (one per record type) and every writer schema we can resolve."""
+    """Reader schemas (one per record type) and every writer schema we can resolve (by default
+    also the earlier versions, ``previous_schemas``)."""
 
     def __init__(self, reader_schemas: list[dict[str, Any]] | None = None) -> None:
+        previous: list[dict[str, Any]] = []
         if reader_schemas is None:
             reader_schemas = [load_schema(name) for name in RECORD_TYPES]
+            previous = previous_schemas()
         self._lock = threading.Lock()
         self.readers: dict[str, _Schema] = {}
         self.writers: dict[bytes, _Schema] = {}
+        for schema_json in previous:
+            old = _Schema(schema_json)
+            self.writers[old.fingerprint] = old
         for schema_json in reader_schemas:
             schema = _Schema(schema_json)
             self.readers[schema.name] = schema

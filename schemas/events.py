@@ -26,11 +26,13 @@ __all__ = [
     "F32",
     "I32",
     "I64",
+    "LIFECYCLE_TYPES",
     "U8",
     "U32",
     "Body",
     "Branch",
     "BranchKind",
+    "EvaluatorOutput",
     "Event",
     "LlmCall",
     "PolicyVersion",
@@ -44,6 +46,11 @@ __all__ = [
     "RolloutStatus",
     "Sample",
     "SampleMode",
+    "SandboxEvent",
+    "SandboxPhase",
+    "StageEvent",
+    "StageName",
+    "StagePhase",
     "ToolCall",
     "Trajectory",
     "TrajectoryNode",
@@ -81,6 +88,22 @@ class RolloutStatus(enum.StrEnum):
     TIMEOUT = "timeout"
     ABORTED = "aborted"
     TRUNCATED = "truncated"
+
+
+class StageName(enum.StrEnum):
+    INIT = "init"
+    RUN = "run"
+    EVAL = "eval"
+
+
+class StagePhase(enum.StrEnum):
+    STARTED = "started"
+    FINISHED = "finished"
+
+
+class SandboxPhase(enum.StrEnum):
+    READY = "ready"
+    RELEASED = "released"
 
 
 class SampleMode(enum.StrEnum):
@@ -343,13 +366,78 @@ class RolloutFinished(_Record):
     error: str | None = None
 
 
+# --- lifecycle bodies: facts of the rollout service about a rollout, beside its trajectory ------
+
+
+@dataclass(eq=False, slots=True)
+class StageEvent(_Record):
+    """A stage (init, run, eval) of the rollout service started or finished. ``status`` is ""
+    when started and ok | failed | timeout when finished; ``duration_ms`` is 0 when started."""
+
+    AVRO_NAME: ClassVar[str] = "rollstream.StageEvent"
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"stage": StageName, "phase": StagePhase}
+    stage: StageName = StageName.RUN
+    phase: StagePhase = StagePhase.STARTED
+    status: str = ""
+    duration_ms: float = 0.0
+    job_id: str = ""
+    worker: str = ""
+    reason: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class SandboxEvent(_Record):
+    """A rollout's sandbox is ready (``duration_ms``: its create time) or released (its destroy
+    time). ``kind``: the provider (bwrap, docker, local, ...)."""
+
+    AVRO_NAME: ClassVar[str] = "rollstream.SandboxEvent"
+    _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"phase": SandboxPhase}
+    sandbox_id: str
+    phase: SandboxPhase = SandboxPhase.READY
+    kind: str = ""
+    duration_ms: float = 0.0
+    job_id: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class EvaluatorOutput(_Record):
+    """What an evaluator said (its rewards are Reward events): ok | failed | timeout, checks
+    passed of total, and its output (bounded; see ``output_truncated``)."""
+
+    AVRO_NAME: ClassVar[str] = "rollstream.EvaluatorOutput"
+    evaluator: str
+    status: str = "ok"
+    passed: int = 0
+    total: int = 0
+    output: str = ""
+    output_truncated: bool = False
+    job_id: str = ""
+
+
 Body: TypeAlias = (
-    RolloutStarted | LlmCall | ToolCall | Reward | Branch | RolloutError | RolloutFinished
+    RolloutStarted
+    | LlmCall
+    | ToolCall
+    | Reward
+    | Branch
+    | RolloutError
+    | RolloutFinished
+    | StageEvent
+    | SandboxEvent
+    | EvaluatorOutput
 )
-BODY_TYPES: dict[str, type[_Record]] = {
-    cls.AVRO_NAME: cls
-    for cls in (RolloutStarted, LlmCall, ToolCall, Reward, Branch, RolloutError, RolloutFinished)
-}
+LIFECYCLE_TYPES: tuple[type[_Record], ...] = (StageEvent, SandboxEvent, EvaluatorOutput)
+_BODY_CLASSES: tuple[type[_Record], ...] = (
+    RolloutStarted,
+    LlmCall,
+    ToolCall,
+    Reward,
+    Branch,
+    RolloutError,
+    RolloutFinished,
+    *LIFECYCLE_TYPES,
+)  # in the order of Event.body's union
+BODY_TYPES: dict[str, type[_Record]] = {cls.AVRO_NAME: cls for cls in _BODY_CLASSES}
 
 
 @dataclass(eq=False, slots=True)

@@ -16,6 +16,8 @@ Definitions shared by the views:
   time the sample reached the samples topic, minus the oldest policy version that produced
   any of its tokens (min_policy_version). Version 0 is the initial weights, published at time
   0, so it is the staleness the trainer sees if it trains the sample as soon as it arrives.
+- a *stage* (view ``stages``) is one StageEvent pair of the rollout service (init, run, eval);
+  its duration is the finished event's ``duration_ms``, its outcome the finished status.
 Tables are read with FINAL (or idempotent aggregates), so raw duplicates never count twice.
 """
 
@@ -161,6 +163,23 @@ ORDER BY backend""",
             chart="bar",
             x="backend",
             y=("p50_ms", "p90_ms", "p99_ms"),
+        ),
+        View(
+            "stages",
+            "Rollout-service stages per job: outcomes and duration percentiles",
+            """-- stages (migration 0005): StageEvent rows; durations are of finished stages only
+SELECT job_id, stage, countIf(phase = 'started') AS started,
+       countIf(phase = 'finished') AS finished,
+       countIf(phase = 'finished' AND status = 'failed') AS failed,
+       countIf(phase = 'finished' AND status = 'timeout') AS timed_out,
+       avgIf(duration_ms, phase = 'finished') AS mean_ms,
+       quantileExactInclusiveIf(0.5)(duration_ms, phase = 'finished') AS p50_ms,
+       quantileExactInclusiveIf(0.9)(duration_ms, phase = 'finished') AS p90_ms,
+       quantileExactInclusiveIf(0.99)(duration_ms, phase = 'finished') AS p99_ms,
+       maxIf(duration_ms, phase = 'finished') AS max_ms
+FROM {db}.stages FINAL
+GROUP BY job_id, stage
+ORDER BY job_id, indexOf(['init', 'run', 'eval'], stage), stage""",
         ),
         View(
             "staleness",

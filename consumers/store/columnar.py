@@ -36,7 +36,17 @@ from rollstream.consumers.store.rows import (
     rows_for_record,
 )
 from rollstream.consumers.store.tables import COLUMNS, TABLES, TableRows
-from rollstream.schemas import Event, Record, Reward, RolloutFinished, RolloutStarted, ToolCall
+from rollstream.schemas import (
+    EvaluatorOutput,
+    Event,
+    Record,
+    Reward,
+    RolloutFinished,
+    RolloutStarted,
+    SandboxEvent,
+    StageEvent,
+    ToolCall,
+)
 
 __all__ = ["ColumnBatch"]
 
@@ -82,6 +92,20 @@ _SPECS: dict[type, tuple[str, dict[str, _Spec]]] = {
         "policy_version": ("c", 0), "status": ("b", "status"), "error": ("b?", "error"),
         "score": ("c", _NAN), "num_events": ("c", 0), "num_llm_calls": ("c", 0),
         "num_completion_tokens": ("c", 0), "started_ts": ("c", 0), "finished_ts": ("e", "ts"),
+    }),
+    StageEvent: ("stages", {
+        **_HEAD, "job_id": ("b", "job_id"), "stage": ("b", "stage"), "phase": ("b", "phase"),
+        "status": ("b", "status"), "duration_ms": ("b", "duration_ms"),
+        "worker": ("b", "worker"), "reason": ("b", "reason"),
+    }),
+    SandboxEvent: ("sandboxes", {
+        **_HEAD, "sandbox_id": ("b", "sandbox_id"), "phase": ("b", "phase"),
+        "kind": ("b", "kind"), "duration_ms": ("b", "duration_ms"), "job_id": ("b", "job_id"),
+    }),
+    EvaluatorOutput: ("evaluator_outputs", {
+        **_HEAD, "evaluator": ("b", "evaluator"), "status": ("b", "status"),
+        "passed": ("b", "passed"), "total": ("b", "total"), "output": ("b", "output"),
+        "output_truncated": ("b", "output_truncated"), "job_id": ("b", "job_id"),
     }),
 }  # fmt: skip
 _KAFKA = ("kafka_topic", "kafka_partition", "kafka_offset")

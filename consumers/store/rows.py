@@ -9,6 +9,9 @@ column order of ``tables.TABLES``):
     Event(ToolCall)         -> events, tool_calls
     Event(Reward)           -> events, rewards
     Event(RolloutFinished)  -> events, rollouts (source "finished")
+    Event(StageEvent)       -> events, stages
+    Event(SandboxEvent)     -> events, sandboxes
+    Event(EvaluatorOutput)  -> events, evaluator_outputs
     Event(Branch | RolloutError) -> events
     Trajectory, Sample, PolicyVersion   -> derived_rows.py (``rows_for_record`` dispatches)
 
@@ -44,6 +47,7 @@ from rollstream.consumers.store.derived_rows import (
 from rollstream.consumers.store.tables import MAX_TS_US, TableRows
 from rollstream.schemas import (
     BODY_TYPES,
+    EvaluatorOutput,
     Event,
     LlmCall,
     PolicyVersion,
@@ -52,6 +56,8 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
     Sample,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
     Trajectory,
 )
@@ -227,6 +233,28 @@ def _finished_row(event: Event, body: RolloutFinished, head: tuple[Any, ...], ka
     )  # fmt: skip
 
 
+def _stage_row(event: Event, body: StageEvent, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return "stages", (
+        *head, body.job_id, str(body.stage), str(body.phase), body.status, body.duration_ms,
+        body.worker, body.reason, *kafka,
+    )  # fmt: skip
+
+
+def _sandbox_row(event: Event, body: SandboxEvent, head: tuple[Any, ...], kafka: Any) -> _Typed:
+    return "sandboxes", (
+        *head, body.sandbox_id, str(body.phase), body.kind, body.duration_ms, body.job_id, *kafka,
+    )  # fmt: skip
+
+
+def _evaluator_output_row(
+    event: Event, body: EvaluatorOutput, head: tuple[Any, ...], kafka: Any
+) -> _Typed:
+    return "evaluator_outputs", (
+        *head, body.evaluator, body.status, body.passed, body.total, body.output,
+        body.output_truncated, body.job_id, *kafka,
+    )  # fmt: skip
+
+
 def _no_row(event: Event, body: Any, head: tuple[Any, ...], kafka: Any) -> _Typed:
     return None
 
@@ -238,6 +266,9 @@ _TYPED_ROWS: dict[type, Any] = {
         Reward: _reward_row,
         RolloutStarted: _started_row,
         RolloutFinished: _finished_row,
+        StageEvent: _stage_row,
+        SandboxEvent: _sandbox_row,
+        EvaluatorOutput: _evaluator_output_row,
     }.get(cls, _no_row)
     for cls in BODY_TYPES.values()
 }

@@ -71,6 +71,18 @@ TABLES: dict[str, tuple[Column, ...]] = {
         "is_error:bool duration_ms:f64 sandbox:str at_call_id:str" + _KAFKA
     ),
     "rewards": _cols(_HEAD + "value:f64 kind:str name:str at_call_id:str evaluator:str" + _KAFKA),
+    "stages": _cols(
+        _HEAD
+        + "job_id:str stage:str phase:str status:str duration_ms:f64 worker:str reason:str"
+        + _KAFKA
+    ),
+    "sandboxes": _cols(
+        _HEAD + "sandbox_id:str phase:str kind:str duration_ms:f64 job_id:str" + _KAFKA
+    ),
+    "evaluator_outputs": _cols(
+        _HEAD + "evaluator:str status:str passed:i32 total:i32 output:str output_truncated:bool "
+        "job_id:str" + _KAFKA
+    ),
     "rollouts": _cols(
         "rollout_id:str source:str version:u64 ts:ts task_id:str group_id:str run_id:str "
         "attempt:i32 group_size:i32 harness:str policy_version:i64 status:str error:str "

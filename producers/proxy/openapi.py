@@ -35,6 +35,14 @@ _REWARDS = {"oneOf": [_REWARD, _schema("rewards", rewards={"type": "array", "ite
 _TOOL = _schema("name", name=_S, arguments=_ANY, result=_S, is_error=_B, duration_ms=_N,
                 sandbox=_S, at_call_id=_S, tool_call_id=_S)  # fmt: skip
 _FINISH = _schema("", status={"enum": [s.value for s in RolloutStatus]}, error=_S)
+_LIFECYCLE = _schema(
+    "events",
+    events={"type": "array", "items": _schema(
+        "type", type={"enum": ["stage", "sandbox", "evaluator_output"]}, stage=_S, phase=_S,
+        status=_S, duration_ms=_N, job_id=_S, worker=_S, reason=_S, sandbox_id=_S, kind=_S,
+        evaluator=_S, passed=_I, total=_I, output=_S, output_truncated=_B,
+    )},
+)  # fmt: skip
 _WEIGHTS = _schema("path version", path=_S, version=_I)
 _CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409", "401"
 
@@ -58,6 +66,9 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/rollouts/{rollout_id}/tool_calls", "post", "record a tool call the harness ran",
      "rolloutToken", _TOOL, _ROLL),
     ("/v1/rollouts/{rollout_id}/finish", "post", "finish a rollout", "rolloutToken", _FINISH,
+     _ROLL),
+    ("/v1/rollouts/{rollout_id}/events", "post",
+     "record lifecycle facts (stage, sandbox, evaluator output)", "adminKey", _LIFECYCLE,
      _ROLL),
     ("/v1/admin/pause", "post", "hold new model calls (?drain=true also waits for in-flight)",
      "adminKey", None, _ADMIN),

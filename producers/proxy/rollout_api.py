@@ -9,6 +9,9 @@ routes a harness that speaks only HTTP uses to create a rollout, post rewards an
     POST /v1/rollouts/{rollout_id}/tool_calls its token {name, arguments, result, is_error,
                                                       duration_ms, sandbox, at_call_id}
     POST /v1/rollouts/{rollout_id}/finish  its token  {status, error}
+    POST /v1/rollouts/{rollout_id}/events  admin key  {"events": [{type: stage | sandbox |
+                                           evaluator_output, ...}]}: lifecycle facts of the
+                                           rollout service (lifecycle.py); a rollout token: 403
 
 Tokens: ``rs1.<rollout_id>.<sig>`` with sig = base64url(HMAC-SHA256(secret, rollout_id)). A
 token opens only the rollout named in it: a bad signature is 401, a good token used on another
@@ -39,6 +42,7 @@ from ulid import ULID
 
 from rollstream.producers.errors import ApiError, ProxyConfigError
 from rollstream.producers.proxy.chat import ChatMemory
+from rollstream.producers.proxy.lifecycle import parse_lifecycle
 from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, dumps, json_answer
 from rollstream.producers.proxy.pool import BackendPool
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError, RolloutHandle
@@ -364,6 +368,23 @@ class RolloutApi:
             except RecorderUsageError as exc:
                 raise ApiError(409, str(exc), code="rollout_finished") from exc
         return json_answer({"rollout_id": ro.rollout_id, "recorded": len(ids), "event_ids": ids})
+
+    async def events(self, request: HttpRequest) -> Answer:
+        """Lifecycle facts (stage started/finished, sandbox ready/released, evaluator output)
+        about an open rollout, recorded in order; only the admin key may post them."""
+        token = request.token
+        if token is not None and self.auth.tokens.verify(token) is not None:
+            msg = "lifecycle events are posted with the admin key, not a rollout token"
+            raise ApiError(403, msg, code="forbidden")
+        self.auth.admin(token)
+        rid = request.path["rollout_id"]
+        bodies = parse_lifecycle(await request.json())
+        ro = self.rollouts.get(rid)
+        try:
+            ids = ro.handle.lifecycle(bodies)
+        except RecorderUsageError as exc:
+            raise ApiError(409, str(exc), code="rollout_finished") from exc
+        return json_answer({"rollout_id": rid, "recorded": len(ids), "event_ids": ids})
 
     async def finish(self, request: HttpRequest) -> Answer:
         rid = self.auth.rollout_of(request.token, request.path["rollout_id"])

@@ -508,6 +508,7 @@ class Proxy:
             ("/v1/rollouts/{rollout_id}/rewards", "POST", api.rewards),
             ("/v1/rollouts/{rollout_id}/tool_calls", "POST", api.tool_calls),
             ("/v1/rollouts/{rollout_id}/finish", "POST", api.finish),
+            ("/v1/rollouts/{rollout_id}/events", "POST", api.events),
             ("/v1/admin/pause", "POST", self.admin_pause),
             ("/v1/admin/drain", "POST", self.admin_drain),
             ("/v1/admin/resume", "POST", self.admin_resume),

@@ -17,9 +17,32 @@ evaluator. In order:
    judged, its final reward (kind ``final``, name and ``evaluator`` = the evaluator's name) and
    milestones (kind ``milestone``, name = the check) are posted with the admin key, so they are
    told apart from anything a harness posts with the rollout token.
-5. Finish the rollout: ``completed``; ``failed`` or ``timeout`` with ``<stage>: <reason>``
+5. Destroy the sandbox, whatever happened.
+6. Finish the rollout: ``completed``; ``failed`` or ``timeout`` with ``<stage>: <reason>``
    (an agent past its deadline is still evaluated, and the rollout is ``timeout``).
-6. Destroy the sandbox, whatever happened (``finally``).
+
+Lifecycle events (``POST /v1/rollouts/{id}/events``, admin key) put the stages on the log, each
+posted when it happens, so they sit between the rollout's other events in this order:
+
+    RolloutStarted
+    StageEvent init started
+    SandboxEvent ready (duration_ms: create time)     when the sandbox started
+    StageEvent init finished (ok | failed | timeout, duration_ms, reason)
+    StageEvent run started
+      ... the agent's LlmCall / ToolCall / RolloutError events ...
+    StageEvent run finished (ok | failed | timeout, duration_ms, reason)
+    StageEvent eval started                           when the agent did not fail
+    EvaluatorOutput (status, passed / total, output cut to 8 KiB)
+    StageEvent eval finished (ok | failed | timeout, duration_ms, reason)
+    SandboxEvent released (duration_ms: destroy time)   when the sandbox was destroyed
+    Reward (milestones, then final)                    when the evaluator judged
+    RolloutFinished                                     always last, exactly once
+
+A stage that ends the rollout early (INIT failed, the agent failed) is the last StageEvent.
+StageEvent's ``worker`` is the worker id, ``job_id`` the plan's job. EvaluatorOutput's
+passed / total: passed is the evaluation's milestones (one per passed check); total is what
+their values imply (each 1/total, the suite evaluator's convention), for a suite evaluator
+with no check passed the task's hidden tests, else 0 (an evaluator that reports no checks).
 
 What happens in a stage (a sandbox that cannot start, an agent or evaluator that fails or
 raises) is in the returned ``RolloutResult`` and on the log, never raised. Only the proxy's
@@ -69,6 +92,7 @@ FinalStatus = Literal["completed", "failed", "timeout"]
 Stage = Literal["init", "run", "eval", "done"]
 
 MAX_REASON: Final = 2_000
+MAX_OUTPUT: Final = 8_192  # EvaluatorOutput.output, as the proxy bounds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +179,10 @@ class ProxyClient:
     def rewards(self, rollout_id: str, rewards: Sequence[Mapping[str, Any]]) -> None:
         self._post(f"/v1/rollouts/{rollout_id}/rewards", {"rewards": list(rewards)}, ok=200)
 
+    def events(self, rollout_id: str, items: Sequence[Mapping[str, Any]]) -> None:
+        """Lifecycle events (``{type: stage | sandbox | evaluator_output, ...}``), in order."""
+        self._post(f"/v1/rollouts/{rollout_id}/events", {"events": list(items)}, ok=200)
+
     def finish(self, rollout_id: str, status: str, error: str | None) -> None:
         """``status``: a RolloutStatus value (completed, failed, timeout, aborted...)."""
         body = {"status": status, "error": error}
@@ -226,16 +254,21 @@ def run_rollout(
             metadata=metadata,
         )
         log.debug("rollout %s opened (task %s)", plan.rollout_id, plan.task_id)
-        run = _Run(plan, job, task, endpoint, sandbox_provider, agent, evaluator, worker_id, log)
+        run = _Run(
+            plan, job, task, endpoint, sandbox_provider, agent, evaluator, worker_id, log, proxy
+        )
         try:
             result = run.stages()
-        except BaseException as exc:  # a bug, or the worker stopping: the rollout still ends
-            status = "failed" if isinstance(exc, Exception) else "aborted"
-            with contextlib.suppress(RolloutCallError):
-                proxy.finish(plan.rollout_id, status, clip(f"{run.stage}: {exc!r}", MAX_REASON))
-            raise
-        finally:
             run.destroy()
+        except BaseException as exc:  # a bug, the worker stopping, the proxy refusing an event:
+            status = "failed" if isinstance(exc, Exception) else "aborted"  # it still ends
+            try:
+                with contextlib.suppress(RolloutCallError):
+                    reason = clip(f"{run.stage}: {exc!r}", MAX_REASON)
+                    proxy.finish(plan.rollout_id, status, reason)
+            finally:
+                run.destroy(record=False)
+            raise
         try:
             if result.evaluation is not None and result.evaluation.status == "ok":
                 items = _reward_items(result.evaluation, evaluator.name)
@@ -281,13 +314,61 @@ class _Run:
         evaluator: Evaluator,
         worker_id: str,
         log: logging.Logger,
+        proxy: ProxyClient,
     ) -> None:
         self.plan, self.job, self.task, self.endpoint = plan, job, task, endpoint
         self.provider, self.agent, self.evaluator = provider, agent, evaluator
-        self.worker_id, self.log = worker_id, log
+        self.worker_id, self.log, self.proxy = worker_id, log, proxy
         self.stage: Stage = "init"
         self.sandbox: Sandbox | None = None
+        self.sandbox_id: str | None = None  # kept after the sandbox is destroyed
         self.durations: dict[str, float] = {}
+
+    # --- lifecycle events (module docstring) ---
+
+    def post(self, *items: dict[str, Any]) -> None:
+        self.proxy.events(self.plan.rollout_id, items)
+
+    def started(self, stage: str) -> dict[str, Any]:
+        return {
+            "type": "stage",
+            "stage": stage,
+            "phase": "started",
+            "job_id": self.plan.job_id,
+            "worker": self.worker_id,
+        }
+
+    def finished(self, stage: str, status: str, reason: str = "") -> dict[str, Any]:
+        return {
+            **self.started(stage),
+            "phase": "finished",
+            "status": status,
+            "duration_ms": self.durations.get(stage, 0.0) * 1000.0,
+            "reason": clip(reason, MAX_REASON),
+        }
+
+    def sandbox_event(self, phase: str, sandbox_id: str, seconds: float) -> dict[str, Any]:
+        return {
+            "type": "sandbox",
+            "phase": phase,
+            "sandbox_id": sandbox_id,
+            "kind": self.job.sandbox.kind,
+            "duration_ms": seconds * 1000.0,
+            "job_id": self.plan.job_id,
+        }
+
+    def evaluator_output(self, evaluation: Evaluation) -> dict[str, Any]:
+        passed, total = _checks(evaluation, self.task, self.evaluator.name)
+        return {
+            "type": "evaluator_output",
+            "evaluator": self.evaluator.name,
+            "status": evaluation.status,
+            "passed": passed,
+            "total": total,
+            "output": evaluation.output[:MAX_OUTPUT],
+            "output_truncated": len(evaluation.output) > MAX_OUTPUT,
+            "job_id": self.plan.job_id,
+        }
 
     def result(
         self, status: FinalStatus, reason: str = "", *, where: str | None = None, **kw: Any
@@ -300,7 +381,7 @@ class _Run:
             status=status,
             stage=self.stage,
             reason=text,
-            sandbox_id=self.sandbox.id if self.sandbox is not None else None,
+            sandbox_id=self.sandbox_id,
             policy_version=self.endpoint.policy_version,
             durations=dict(self.durations),
             **kw,
@@ -308,6 +389,7 @@ class _Run:
 
     def stages(self) -> RolloutResult:
         # INIT
+        self.post(self.started("init"))
         t0 = time.monotonic()
         labels = SandboxLabels(
             job_id=self.plan.job_id,
@@ -320,15 +402,21 @@ class _Run:
             self.sandbox = self.provider.create(self.job.sandbox.to_spec(labels, files))
         except SandboxError as exc:
             self.durations["init"] = time.monotonic() - t0
-            return self.result("failed", f"the sandbox could not start: {exc}")
+            reason = f"the sandbox could not start: {exc}"
+            self.post(self.finished("init", "failed", reason))
+            return self.result("failed", reason)
         self.durations["init"] = elapsed = time.monotonic() - t0
+        self.sandbox_id = self.sandbox.id
+        ready = self.sandbox_event("ready", self.sandbox.id, elapsed)
         if elapsed > self.job.timeouts.init:
-            return self.result(
-                "timeout", f"took {elapsed:.1f} s (limit {self.job.timeouts.init:g})"
-            )
+            reason = f"took {elapsed:.1f} s (limit {self.job.timeouts.init:g})"
+            self.post(ready, self.finished("init", "timeout", reason))
+            return self.result("timeout", reason)
+        self.post(ready, self.finished("init", "ok"))
 
         # RUN
         self.stage = "run"
+        self.post(self.started("run"))
         t0 = time.monotonic()
         ctx = AgentContext(
             sandbox=self.sandbox,
@@ -344,11 +432,14 @@ class _Run:
             self.log.exception("agent %s raised", self.agent.name)
             outcome = AgentOutcome("failed", "error", f"the agent raised {exc!r}")
         self.durations["run"] = time.monotonic() - t0
+        why = outcome.reason or outcome.stop if outcome.status != "ok" else ""
+        self.post(self.finished("run", outcome.status, why))
         if outcome.status == "failed":
-            return self.result("failed", outcome.reason or outcome.stop, agent=outcome)
+            return self.result("failed", why, agent=outcome)
 
         # EVAL
         self.stage = "eval"
+        self.post(self.started("eval"))
         t0 = time.monotonic()
         try:
             evaluation = self.evaluator.evaluate(
@@ -358,6 +449,10 @@ class _Run:
             self.log.exception("evaluator %s raised", self.evaluator.name)
             evaluation = Evaluation.not_judged("failed", f"the evaluator raised {exc!r}")
         self.durations["eval"] = time.monotonic() - t0
+        self.post(
+            self.evaluator_output(evaluation),
+            self.finished("eval", evaluation.status, evaluation.reason),
+        )
         done = {"agent": outcome, "evaluation": evaluation}
         if evaluation.status != "ok":
             return self.result(evaluation.status, evaluation.reason, **done)
@@ -367,10 +462,28 @@ class _Run:
             return self.result("timeout", reason, where="", **done)
         return self.result("completed", **done)
 
-    def destroy(self) -> None:
-        if self.sandbox is None:
+    def destroy(self, *, record: bool = True) -> None:
+        """Destroy the sandbox (once); ``record``: post its SandboxEvent released (not when
+        the rollout is being finished after an error: the event would come after its end)."""
+        sandbox, self.sandbox = self.sandbox, None
+        if sandbox is None:
             return
+        t0 = time.monotonic()
         try:
-            self.sandbox.destroy()
-        except SandboxError:  # the reaper takes what is left
-            self.log.warning("sandbox %s could not be destroyed", self.sandbox.id, exc_info=True)
+            sandbox.destroy()
+        except SandboxError:  # the reaper takes what is left; no released event
+            self.log.warning("sandbox %s could not be destroyed", sandbox.id, exc_info=True)
+            return
+        if record:
+            self.post(self.sandbox_event("released", sandbox.id, time.monotonic() - t0))
+
+
+def _checks(evaluation: Evaluation, task: Task, evaluator: str) -> tuple[int, int]:
+    """(passed, total) of an evaluation (module docstring)."""
+    passed = len(evaluation.milestones)
+    values = [value for _, value in evaluation.milestones if value > 0]
+    if values:
+        return passed, max(passed, round(1.0 / min(values)))
+    if evaluator == "suite" and evaluation.status == "ok":
+        return 0, len(task.hidden_test_names())
+    return passed, 0

@@ -28,8 +28,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -42,10 +43,12 @@ from rollstream.producers.sdk.settings import RecorderSettings, kafka_producer_o
 from rollstream.producers.sdk.spool import Spool
 from rollstream.producers.sdk.transport import KafkaTransport, Transport
 from rollstream.schemas import (
+    LIFECYCLE_TYPES,
     Branch,
     BranchKind,
     Codec,
     EncodeError,
+    EvaluatorOutput,
     Event,
     LlmCall,
     Reward,
@@ -54,10 +57,14 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
     RolloutStatus,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
     Usage,
 )
 from rollstream.schemas.events import Body
+
+Lifecycle: TypeAlias = StageEvent | SandboxEvent | EvaluatorOutput
 
 __all__ = [
     "Recorder",
@@ -503,6 +510,19 @@ class RolloutHandle:
         with self._lock:
             self._check_open("error")
             return self._emit(body)
+
+    def lifecycle(self, bodies: Sequence[Lifecycle]) -> list[str]:
+        """Record lifecycle facts (a stage started or finished, a sandbox ready or released, an
+        evaluator's output), in order and with consecutive seqs; returns their event ids."""
+        for body in bodies:
+            if not isinstance(body, LIFECYCLE_TYPES):
+                raise RecorderUsageError(
+                    f"not a lifecycle body: {type(body).__name__} (StageEvent, SandboxEvent "
+                    "or EvaluatorOutput)"
+                )
+        with self._lock:
+            self._check_open("lifecycle")
+            return [self._emit(body) for body in bodies]
 
     def finish(
         self, status: RolloutStatus | str = RolloutStatus.COMPLETED, error: str | None = None

@@ -12,9 +12,15 @@ the dead-letter topic, and the event's seq counts as consumed.
 Lifecycle (``TRANSITIONS``; a (phase, event) pair absent from the table is a violation):
 
     NEW --RolloutStarted--> RUNNING --LlmCall|ToolCall|Reward|Branch|RolloutError--> RUNNING
+     |                         |--StageEvent|SandboxEvent|EvaluatorOutput--> RUNNING
      |                         |--RolloutFinished | timeout--> CLOSED
      |--anything else--> REJECTED (every later event is refused)
      |--timeout--> REJECTED (seq 0 never came)
+
+The lifecycle bodies (``LIFECYCLE_TYPES``: a stage started or finished, a sandbox ready or
+released, an evaluator's output) are facts of the rollout service about the rollout, not part
+of its trajectory: they take their seq like any event and change neither the tree, the rewards
+nor the score (the sink keeps them in their own tables).
 
 ``apply`` updates the state it is given in place and returns it; callers keep the returned one.
 """
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from rollstream.schemas.events import (
+    LIFECYCLE_TYPES,
     Branch,
     Event,
     LlmCall,
@@ -79,6 +86,7 @@ TRANSITIONS: Mapping[tuple[Phase, str], Phase] = {
     (Phase.RUNNING, "Reward"): Phase.RUNNING,
     (Phase.RUNNING, "Branch"): Phase.RUNNING,
     (Phase.RUNNING, "RolloutError"): Phase.RUNNING,
+    **{(Phase.RUNNING, cls.__name__): Phase.RUNNING for cls in LIFECYCLE_TYPES},
     (Phase.RUNNING, "RolloutFinished"): Phase.CLOSED,
     (Phase.RUNNING, TIMEOUT): Phase.CLOSED,
 }
@@ -305,7 +313,13 @@ def _on_finished(state: RolloutState, event: Event, config: BuilderConfig) -> No
         state.error = event.body.error
 
 
+def _on_lifecycle(state: RolloutState, event: Event, config: BuilderConfig) -> None:
+    """A lifecycle fact: its seq is consumed, the trajectory does not change."""
+    assert isinstance(event.body, LIFECYCLE_TYPES)
+
+
 _HANDLERS = {
+    **{cls.__name__: _on_lifecycle for cls in LIFECYCLE_TYPES},
     "RolloutStarted": _on_started,
     "LlmCall": _on_llm_call,
     "ToolCall": _on_tool_call,

@@ -38,10 +38,13 @@ from rollstream.producers.proxy.settings import ProxySettings
 from rollstream.schemas import (
     Codec,
     CommonSettings,
+    EvaluatorOutput,
     Event,
     LlmCall,
     PolicyVersion,
     RolloutError,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
 )
 from rollstream.schemas.dlq import CODE_UNDECODABLE, HEADER_NAMES, read_headers
@@ -541,6 +544,97 @@ def test_pause_drain_resume_and_weight_update_under_load(
         versions += mine
         assert not any(isinstance(e.body, RolloutError) for e in evs)
     assert versions.count(1) > 0 and versions.count(0) > 0
+
+
+def test_lifecycle_events_admin_only_in_order(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path
+) -> None:
+    backend = ScriptedBackend()
+    backend.script.append([7, 8, ChatTemplate.from_dir(model_dir).eos_id])
+    with serve(backend.app()) as burl:
+        settings = proxy_settings(kafka_settings, tmp_path, model_dir, [burl])
+        with running_proxy(settings) as (url, recorder, _):
+            ro = create_rollout(url, task_id="life")
+            events_url = f"{url}/v1/rollouts/{ro['rollout_id']}/events"
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            harness = {"Authorization": f"Bearer {ro['token']}"}
+
+            def post(body: Any, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+                r = httpx.post(events_url, json=body, headers=headers)
+                return r.status_code, r.json()
+
+            init = [
+                {"type": "stage", "stage": "init", "phase": "started", "job_id": "j1",
+                 "worker": "w1"},
+                {"type": "sandbox", "phase": "ready", "sandbox_id": "sb1", "kind": "bwrap",
+                 "duration_ms": 12.5, "job_id": "j1"},
+                {"type": "stage", "stage": "init", "phase": "finished", "status": "ok",
+                 "duration_ms": 20.0, "job_id": "j1", "worker": "w1"},
+            ]  # fmt: skip
+            status, body = post({"events": init}, admin)
+            assert status == 200 and body["recorded"] == 3, body
+            # a harness token may not post them (even its own rollout's), nor no token
+            status, body = post({"events": init[:1]}, harness)
+            assert status == 403 and body["error"]["code"] == "forbidden"
+            assert post({"events": init[:1]}, {})[0] == 401
+            # a bad field: 400 naming it, nothing recorded
+            bad_stage = [init[0], {**init[2], "stage": "deploy"}]
+            status, body = post({"events": bad_stage}, admin)
+            assert status == 400 and body["error"]["param"] == "events[1].stage", body
+            status, body = post({"events": [{**init[2], "status": ""}]}, admin)
+            assert status == 400 and body["error"]["param"] == "events[0].status"
+            status, body = post({"events": [{"type": "sandbox", "phase": "ready"}]}, admin)
+            assert status == 400 and body["error"]["param"] == "events[0].sandbox_id"
+            status, body = post({"events": [{**init[0], "worker": "w" * 300}]}, admin)
+            assert status == 400 and body["error"]["param"] == "events[0].worker"
+            status, body = post({"events": [{"type": "logs"}]}, admin)
+            assert status == 400 and body["error"]["param"] == "events[0].type"
+            client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            done = [
+                {"type": "evaluator_output", "evaluator": "suite", "status": "ok", "passed": 2,
+                 "total": 3, "output": "x" * 9000, "job_id": "j1"},
+                {"type": "sandbox", "phase": "released", "sandbox_id": "sb1", "kind": "bwrap",
+                 "duration_ms": 3.0, "job_id": "j1"},
+            ]  # fmt: skip
+            assert post({"events": done}, admin)[0] == 200
+            fin = httpx.post(
+                f"{url}/v1/rollouts/{ro['rollout_id']}/finish", json={}, headers=harness
+            )
+            assert fin.status_code == 200
+            status, body = post({"events": done[1:]}, admin)
+            assert status == 409 and body["error"]["code"] == "rollout_finished"
+            assert recorder.flush(30)
+
+    events = by_rollout(consume(kafka_settings))[ro["rollout_id"]]
+    assert [e.kind for e in events] == [
+        "RolloutStarted", "StageEvent", "SandboxEvent", "StageEvent", "LlmCall",
+        "EvaluatorOutput", "SandboxEvent", "RolloutFinished",
+    ]  # fmt: skip
+    started, ready, finished = (e.body for e in events[1:4])
+    assert isinstance(started, StageEvent) and isinstance(finished, StageEvent)
+    assert (started.stage, started.phase, started.status, started.worker) == (
+        "init",
+        "started",
+        "",
+        "w1",
+    )
+    assert (finished.phase, finished.status, finished.duration_ms) == ("finished", "ok", 20.0)
+    assert isinstance(ready, SandboxEvent)
+    assert (ready.sandbox_id, ready.phase, ready.kind, ready.duration_ms) == (
+        "sb1",
+        "ready",
+        "bwrap",
+        12.5,
+    )
+    output = events[5].body
+    assert isinstance(output, EvaluatorOutput)
+    assert (output.passed, output.total, len(output.output), output.output_truncated) == (
+        2,
+        3,
+        8192,
+        True,
+    )
 
 
 def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path) -> None:

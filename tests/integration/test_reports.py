@@ -17,10 +17,17 @@ import numpy as np
 import pytest
 
 from rollstream.consumers.analytics import reports
-from rollstream.consumers.store.chstore import Table, connect, database_for, insert_batch
+from rollstream.consumers.store.chstore import (
+    Table,
+    connect,
+    database_for,
+    insert_batch,
+    query,
+)
 from rollstream.consumers.store.migrations import apply_migrations
 from rollstream.consumers.store.rows import RowBatch
 from rollstream.schemas import (
+    EvaluatorOutput,
     Event,
     LlmCall,
     PolicyVersion,
@@ -28,6 +35,8 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
     Sample,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
 )
 
@@ -64,6 +73,15 @@ TOOL_CALLS = {
     "r2": [("bash", 30.0, False), ("python", 5.0, True)],
     "r3": [("bash", 40.0, False), ("python", 15.0, True)],
 }
+# rollout -> (job, stage lifecycle: (stage, status or None while it runs, duration ms))
+STAGES = {
+    "r1": ("j1", [("init", "ok", 100.0), ("run", "ok", 1000.0), ("eval", "ok", 50.0)]),
+    "r2": ("j1", [("init", "ok", 200.0), ("run", "failed", 3000.0)]),
+    "r3": ("j1", [("init", "ok", 300.0), ("run", "ok", 2000.0), ("eval", "timeout", 500.0)]),
+    "r4": ("j2", [("init", "failed", 10.0)]),
+    "r5": ("j2", [("init", "ok", 400.0), ("run", "timeout", 5000.0)]),
+    "r7": ("j2", [("init", "ok", 150.0), ("run", None, 0.0)]),
+}
 # policy versions 1..3 published at T0 + 100/200/300 s (version 0 is implicit, at time 0)
 POLICY = [(1, 100), (2, 200), (3, 300)]
 # samples: (min policy version via policy_versions, Kafka time in s) -> staleness
@@ -73,6 +91,15 @@ SAMPLES = [(0, 50), (0, 150), (1, 150), (1, 350), (0, 250)]
 def rollout_events(rid: str, index: int) -> list[Event]:
     task, version, rewards, status = ROLLOUTS[rid]
     bodies: list[Any] = [RolloutStarted(task, f"g{task}", policy_version=version)]
+    job, stages = STAGES.get(rid, ("", []))
+    for stage, outcome, duration in stages:
+        bodies.append(StageEvent(stage, "started", job_id=job, worker="w1"))
+        if stage == "init":
+            bodies.append(SandboxEvent(f"{rid}sb", "ready", "bwrap", duration / 2, job))
+        if outcome is not None:
+            bodies.append(StageEvent(stage, "finished", outcome, duration, job, "w1"))
+        if stage == "eval":
+            bodies.append(EvaluatorOutput("suite", outcome or "ok", 1, 2, "1 passed", job_id=job))
     for i, (completion, delta, backend, latency) in enumerate(LLM_CALLS.get(rid, [])):
         bodies.append(
             LlmCall(f"{rid}c{i}", None, 0, np.arange(delta, dtype=np.uint32),
@@ -160,6 +187,29 @@ def test_tool_stats(store: tuple[Any, str]) -> None:
         ("bash", 4, 1, 0.25, 25.0, 25.0, 38.5),
         ("python", 2, 2, 1.0, 10.0, 10.0, 14.5),
     ]
+
+
+def test_stage_outcomes_and_latency_percentiles_per_job(store: tuple[Any, str]) -> None:
+    client, db = store
+    table = reports.run_report(client, "stages", database=db)
+    assert table.columns == (
+        "job_id", "stage", "started", "finished", "failed", "timed_out", "mean_ms", "p50_ms",
+        "p90_ms", "p99_ms", "max_ms",
+    )  # fmt: skip
+    # quantileExactInclusive: h = (n - 1) * p between the sorted values; j1 init 100 200 300:
+    # p90 280, p99 298; j1 eval 50 500: p50 275, p90 455, p99 495.5; j2 init 10 150 400: p90
+    # 350, p99 395; j2 run: r5's 5000 finished, r7's still running (started, no duration)
+    assert rows(table) == [
+        ("j1", "init", 3, 3, 0, 0, 200.0, 200.0, 280.0, 298.0, 300.0),
+        ("j1", "run", 3, 3, 1, 0, 2000.0, 2000.0, 2800.0, 2980.0, 3000.0),
+        ("j1", "eval", 2, 2, 0, 1, 275.0, 275.0, 455.0, 495.5, 500.0),
+        ("j2", "init", 3, 3, 1, 0, 186.666667, 150.0, 350.0, 395.0, 400.0),
+        ("j2", "run", 2, 1, 0, 1, 5000.0, 5000.0, 5000.0, 5000.0, 5000.0),
+    ]
+    # the other lifecycle tables got their rows, each once under FINAL
+    sandboxes = query(client, f"SELECT count() FROM {db}.sandboxes FINAL").rows
+    outputs = query(client, f"SELECT sum(passed), sum(total) FROM {db}.evaluator_outputs FINAL")
+    assert sandboxes == [(len(STAGES),)] and outputs.rows == [(2, 4)]
 
 
 def test_tokens_per_rollout(store: tuple[Any, str]) -> None:

@@ -47,11 +47,14 @@ from rollstream.producers.rollouts.tasks import Task
 from rollstream.schemas import (
     Codec,
     CommonSettings,
+    EvaluatorOutput,
     Event,
     LlmCall,
     Reward,
     RolloutFinished,
     RolloutStarted,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
 )
 
@@ -251,6 +254,42 @@ def test_tool_agent_rollout_on_the_log(
     assert milestones == [(n, pytest.approx(v)) for n, v in result.evaluation.milestones]
     assert len(milestones) < len(task.hidden_test_names())
 
+    # the lifecycle events, in the runner's documented order, between the rollout's others
+    def lifecycle(e: Event) -> str | None:
+        b = e.body
+        if isinstance(b, StageEvent):
+            return f"{b.stage} {b.phase}"
+        if isinstance(b, SandboxEvent):
+            return f"sandbox {b.phase}"
+        return "evaluator output" if isinstance(b, EvaluatorOutput) else None
+
+    order = [lifecycle(e) or e.kind for e in events]
+    first_call = order.index("LlmCall")
+    assert order[:first_call] == [
+        "RolloutStarted", "init started", "sandbox ready", "init finished", "run started"
+    ]  # fmt: skip
+    tail = order[order.index("run finished") :]
+    assert tail == [
+        "run finished", "eval started", "evaluator output", "eval finished", "sandbox released",
+        *["Reward"] * len(got), "RolloutFinished",
+    ]  # fmt: skip
+    assert set(order[first_call : order.index("run finished")]) <= {"LlmCall", "ToolCall"}
+    stages = [e.body for e in events if isinstance(e.body, StageEvent)]
+    assert {(s.job_id, s.worker) for s in stages} == {("it-tool", "w1")}
+    done = {str(s.stage): s for s in stages if s.phase == "finished"}
+    assert [done[k].status for k in ("init", "run", "eval")] == ["ok", "ok", "ok"]
+    for stage in ("init", "run", "eval"):  # the durations the runner measured
+        assert done[stage].duration_ms == pytest.approx(result.durations[stage] * 1000.0)
+    assert all(s.status == "" and s.duration_ms == 0.0 for s in stages if s.phase == "started")
+    ready, released = (e.body for e in events if isinstance(e.body, SandboxEvent))
+    assert isinstance(ready, SandboxEvent) and isinstance(released, SandboxEvent)
+    assert ready.sandbox_id == released.sandbox_id == result.sandbox_id
+    assert (ready.kind, ready.job_id) == ("bwrap", "it-tool") and ready.duration_ms > 0
+    (output,) = [e.body for e in events if isinstance(e.body, EvaluatorOutput)]
+    assert (output.evaluator, output.status) == ("suite", "ok")
+    assert (output.passed, output.total) == (len(milestones), len(task.hidden_test_names()))
+    assert output.output == result.evaluation.output[:8192] and output.job_id == "it-tool"
+
 
 def test_scripted_agent_writes_the_solution_and_scores_one(
     settings: CommonSettings, proxy_url: str, provider: BwrapProvider
@@ -299,6 +338,7 @@ class FakeProxy:
         self.open: set[str] = set()
         self.rewards: dict[str, list[dict[str, Any]]] = {}
         self.finished: dict[str, tuple[str, str | None]] = {}
+        self.lifecycle: list[str] = []  # "stage phase [status]", "sandbox phase", "evaluator"
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         assert request.headers["authorization"] == f"Bearer {ADMIN}"
@@ -323,6 +363,15 @@ class FakeProxy:
             self.rewards.setdefault(rid, []).extend(body["rewards"])
         elif action == "finish":
             self.finished[rid] = (body["status"], body["error"])
+        elif action == "events":
+            assert rid not in self.finished  # never after the rollout's end
+            for item in body["events"]:
+                if item["type"] == "stage":
+                    status = f" {item['status']}" if item["phase"] == "finished" else ""
+                    self.lifecycle.append(f"{item['stage']} {item['phase']}{status}")
+                else:
+                    what = item["phase"] if "phase" in item else item["status"]
+                    self.lifecycle.append(f"{item['type']} {what}")
         return httpx.Response(200, json={"rollout_id": rid})
 
 
@@ -372,6 +421,7 @@ def test_a_sandbox_that_cannot_start_fails_init(provider: BwrapProvider) -> None
     ((status, error),) = fake.finished.values()
     assert status == "failed" and error is not None and error.startswith("init: ")
     assert "/no/such/rootfs" in error and fake.rewards == {}
+    assert fake.lifecycle == ["init started", "init finished failed"]
 
 
 def test_a_failed_agent_is_not_evaluated(provider: BwrapProvider) -> None:
@@ -379,6 +429,10 @@ def test_a_failed_agent_is_not_evaluated(provider: BwrapProvider) -> None:
     assert (result.status, result.stage, result.evaluation) == ("failed", "run", None)
     assert list(fake.finished.values()) == [("failed", "run: proxy gone")]
     assert fake.rewards == {}
+    assert fake.lifecycle == [
+        "init started", "sandbox ready", "init finished ok", "run started",
+        "run finished failed", "sandbox released",
+    ]  # fmt: skip
 
 
 def test_an_agent_that_raises_fails_the_rollout(provider: BwrapProvider) -> None:
@@ -409,6 +463,9 @@ def test_an_evaluation_past_its_deadline_is_a_timeout_without_reward(
     ((status, error),) = fake.finished.values()
     assert status == "timeout" and (error or "").startswith("eval: ran past")
     assert fake.rewards == {} and result.rewards == ()
+    assert fake.lifecycle[-4:] == [
+        "eval started", "evaluator_output timeout", "eval finished timeout", "sandbox released"
+    ]  # fmt: skip
 
 
 def test_a_redelivered_plan_makes_nothing(provider: BwrapProvider) -> None:

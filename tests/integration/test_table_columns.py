@@ -23,11 +23,14 @@ from rollstream.consumers.store.migrations import MIGRATIONS_DIR, apply_migratio
 from rollstream.consumers.store.tables import TABLES, fits
 from rollstream.schemas import (
     Branch,
+    EvaluatorOutput,
     Event,
     LlmCall,
     Reward,
     RolloutFinished,
     RolloutStarted,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
     Usage,
 )
@@ -111,7 +114,7 @@ def test_a_column_added_to_the_ddl_only_fails_the_check(client: Any, tmp_path: P
     (directory / f"{last + 1:04d}_extra.sql").write_text(
         "ALTER TABLE {db}.tool_calls ADD COLUMN IF NOT EXISTS exit_code Int32 AFTER is_error;\n"
         "ALTER TABLE {db}.rewards MODIFY COLUMN value Float32;\n"
-        "CREATE TABLE IF NOT EXISTS {db}.sandboxes (id String) ENGINE = MergeTree ORDER BY id;\n"
+        "CREATE TABLE IF NOT EXISTS {db}.leases (id String) ENGINE = MergeTree ORDER BY id;\n"
     )
     database = database_for(f"t{uuid.uuid4().hex[:10]}")
     apply_migrations(client, database, directory=directory)
@@ -120,7 +123,7 @@ def test_a_column_added_to_the_ddl_only_fails_the_check(client: Any, tmp_path: P
     assert len(problems) == 3, text
     assert "columns of tool_calls differ" in text and "+exit_code" in text
     assert "rewards.value: the mappers write 'f64', the DDL has Float32" in text
-    assert "table sandboxes is in the DDL but not in tables.TABLES" in text
+    assert "table leases is in the DDL but not in tables.TABLES" in text
 
 
 def _events() -> list[Event]:
@@ -131,6 +134,9 @@ def _events() -> list[Event]:
         ToolCall("t1", "bash", "{}", "ok", sandbox=None, at_call_id="c1"),
         Reward(1.0, "final", "tests"),
         Branch("b1", "retry", "c1"),
+        StageEvent("run", "finished", "ok", 950.5, "job-1", "w1", ""),
+        SandboxEvent("sb-1", "released", "bwrap", 3.5, "job-1"),
+        EvaluatorOutput("suite", "ok", 3, 4, "3 passed", False, "job-1"),
         RolloutFinished("completed"),
     ]  # fmt: skip
     return [Event(f"e{i}", "r1", i, TS + i, b, "sdk") for i, b in enumerate(bodies)]
@@ -146,7 +152,10 @@ def test_the_column_mapper_builds_the_ddl_columns(client: Any) -> None:
     for offset, event in enumerate(_events()):
         batch.add(event, offset)
     tables = batch.arrow()
-    assert set(tables) == {"events", "llm_calls", "tool_calls", "rewards", "rollouts"}
+    assert set(tables) == {
+        "events", "llm_calls", "tool_calls", "rewards", "rollouts", "stages", "sandboxes",
+        "evaluator_outputs",
+    }  # fmt: skip
     for name, table in tables.items():
         assert table.column_names == [c for c, _ in ddl[name]], name
         expected: pa.Schema = chstore.to_arrow(name, []).schema

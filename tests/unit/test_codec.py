@@ -27,6 +27,8 @@ from rollstream.schemas import (
     BranchKind,
     Codec,
     DecodeError,
+    EncodeError,
+    EvaluatorOutput,
     Event,
     LlmCall,
     PolicyVersion,
@@ -40,13 +42,19 @@ from rollstream.schemas import (
     RolloutStatus,
     Sample,
     SampleMode,
+    SandboxEvent,
+    SandboxPhase,
     SchemaSet,
+    StageEvent,
+    StageName,
+    StagePhase,
     ToolCall,
     Trajectory,
     TrajectoryNode,
     UnknownSchemaError,
     Usage,
     load_schema,
+    previous_schemas,
     registry_subject,
 )
 from rollstream.schemas.codec import _RECORD_CLASSES
@@ -130,6 +138,34 @@ bodies = st.one_of(
     ),
     st.builds(RolloutError, source=text, message=text, code=i32, call_id=opt_text, backend=text),
     st.builds(RolloutFinished, status=st.sampled_from(RolloutStatus), error=opt_text),
+    st.builds(
+        StageEvent,
+        stage=st.sampled_from(StageName),
+        phase=st.sampled_from(StagePhase),
+        status=text,
+        duration_ms=finite,
+        job_id=text,
+        worker=text,
+        reason=text,
+    ),
+    st.builds(
+        SandboxEvent,
+        sandbox_id=text,
+        phase=st.sampled_from(SandboxPhase),
+        kind=text,
+        duration_ms=finite,
+        job_id=text,
+    ),
+    st.builds(
+        EvaluatorOutput,
+        evaluator=text,
+        status=text,
+        passed=i32,
+        total=i32,
+        output=text,
+        output_truncated=st.booleans(),
+        job_id=text,
+    ),
 )
 events = st.builds(
     Event,
@@ -294,6 +330,28 @@ def test_new_reader_decodes_old_records() -> None:
     kind, body = raw["body"]
     assert kind == "rollstream.LlmCall" and body["temperature"] == 1.0
     assert body["prompt_delta"] == np.array([1, 2, 3], "<u4").tobytes()
+
+
+# The fingerprint of the Event schema before the lifecycle bodies (StageEvent, SandboxEvent,
+# EvaluatorOutput) were appended to its body union: what records on the log carry today.
+_EVENT_V1_FINGERPRINT = "20a2573efabfa6b5"
+
+
+def test_records_of_the_previous_event_schema_decode_with_the_default_codec() -> None:
+    (v1,) = [s for s in previous_schemas() if s["name"] == "Event"]
+    old_writer = Codec(writer_overrides={"rollstream.Event": v1})
+    bodies = [RolloutStarted("t", "g"), _llm_event().body, Reward(1.0), RolloutFinished()]
+    for seq, body in enumerate(bodies):
+        event = Event("e", "r", seq, 7, body, producer="old")
+        old_bytes = old_writer.encode(event)
+        assert old_bytes[2:10].hex() == _EVENT_V1_FINGERPRINT  # as the previous release wrote
+        assert old_bytes[2:10] != CODEC.encode(event)[2:10]
+        assert Codec().decode(old_bytes) == event  # no schema told: the history is built in
+    # a new body type cannot be written with the old union: old records never carry one
+    new_event = Event("e", "r", 1, 7, StageEvent(StageName.INIT, StagePhase.STARTED))
+    with pytest.raises(EncodeError, match="StageEvent not found"):
+        old_writer.encode(new_event)
+    assert CODEC.decode(CODEC.encode(new_event)) == new_event
 
 
 def test_old_reader_decodes_new_records() -> None:
@@ -537,7 +595,7 @@ def _minimal_event(body: Any) -> bytes:
 @pytest.mark.parametrize(
     ("offset", "value", "reason"),
     [
-        (18, b"\x0e", "bad union index 7"),
+        (18, b"\x14", "bad union index 10"),  # the body union has 10 branches
         (18, b"\x01", "bad union index -1"),
         (27, b"\x08", "bad enum index 4"),  # Reward.kind has 4 symbols
         (27, b"\x01", "bad enum index -1"),  # fastavro would read the last symbol

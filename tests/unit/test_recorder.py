@@ -28,10 +28,13 @@ from rollstream.producers import (
 )
 from rollstream.schemas import (
     Codec,
+    EvaluatorOutput,
     Event,
     LlmCall,
     RolloutFinished,
     RolloutStarted,
+    SandboxEvent,
+    StageEvent,
     Topics,
     Usage,
 )
@@ -178,6 +181,27 @@ def test_misuse_raises_at_the_call_site(tmp_path: Path) -> None:
         assert r.finish() is False
         with pytest.raises(RecorderUsageError):
             r.reward(1.0)
+
+
+def test_lifecycle_facts_are_recorded_in_order_and_only_those(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    with Recorder(make_settings(tmp_path), transport=transport) as recorder:
+        r = recorder.rollout(task_id="t", group_id="g")
+        facts = [
+            StageEvent("init", "started", job_id="j"),
+            SandboxEvent("sb", "ready", "bwrap", 5.0, "j"),
+            EvaluatorOutput("suite", "ok", 1, 2, "out"),
+        ]
+        ids = r.lifecycle(facts)
+        with pytest.raises(RecorderUsageError, match="not a lifecycle body"):
+            r.lifecycle([StageEvent("run"), RolloutFinished()])  # type: ignore[list-item]
+        assert r.seq == 4  # the refused list emitted nothing
+        r.finish()
+        with pytest.raises(RecorderUsageError, match="lifecycle after"):
+            r.lifecycle(facts[:1])
+    events = consumed(transport)
+    assert [e.body for e in events[1:4]] == facts and [e.event_id for e in events[1:4]] == ids
+    assert [e.seq for e in events] == [0, 1, 2, 3, 4]
 
 
 def test_tool_result_is_bounded(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from rollstream.consumers.store.workers import (
 from rollstream.schemas import (
     Branch,
     Codec,
+    EvaluatorOutput,
     Event,
     LlmCall,
     PolicyVersion,
@@ -38,6 +39,8 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
     Sample,
+    SandboxEvent,
+    StageEvent,
     ToolCall,
     Trajectory,
     TrajectoryNode,
@@ -77,6 +80,12 @@ def bodies(i: int) -> list[Any]:
         Branch(f"b{i}", "rewind", None if i % 2 else "c1", "edited"),
         RolloutError("proxy", "down", 503, None if i % 2 else "c2", "b1"),
         RolloutFinished("completed" if i % 2 else "timeout", None if i % 2 else "wall clock"),
+        StageEvent("run" if i % 2 else "init", "finished" if i % 2 else "started",
+                   "ok" if i % 2 else "", 12.5 * i, f"job{i % 3}", "w1", "é\x00why"),
+        StageEvent("eval", "finished", "timeout", float("inf")),
+        SandboxEvent(f"sb{i}", "ready" if i % 2 else "released", "bwrap", 3.25 * i, "job"),
+        EvaluatorOutput("suite", "ok" if i % 2 else "failed", i, 2 * i, "out\n" * i,
+                        bool(i % 2), f"job{i}"),
     ]  # fmt: skip
 
 
@@ -127,7 +136,10 @@ def test_every_body_type_gives_the_row_mappers_tables() -> None:
             offset += 1 + i % 2  # gaps in the offsets, as after dead letters or compaction
     rows, cols, errors = both(records)
     assert not errors
-    assert set(rows.tables) == {"events", "rollouts", "llm_calls", "tool_calls", "rewards"}
+    assert set(rows.tables) == {
+        "events", "rollouts", "llm_calls", "tool_calls", "rewards", "stages", "sandboxes",
+        "evaluator_outputs",
+    }  # fmt: skip
     assert_same_tables(rows, cols)
     stored = cols.arrow()["rollouts"]  # started and finished rows, back in offset order
     assert stored.column("kafka_offset").to_pylist() == sorted(
@@ -213,6 +225,11 @@ body_strategy = st.one_of(
               st.dictionaries(text, floats, max_size=2), st.dictionaries(text, text, max_size=2)),
     st.builds(RolloutFinished, st.sampled_from(["completed", "failed", "timeout"]), opt_text),
     st.builds(Branch, text, st.sampled_from(["retry", "fork"]), opt_text, text),
+    st.builds(StageEvent, st.sampled_from(["init", "run", "eval"]),
+              st.sampled_from(["started", "finished"]), text, floats, text, text, text),
+    st.builds(SandboxEvent, text, st.sampled_from(["ready", "released"]), text, floats, text),
+    st.builds(EvaluatorOutput, text, text, st.integers(0, 2**31 - 1),
+              st.integers(0, 2**31 - 1), text, st.booleans(), text),
 )  # fmt: skip
 
 

@@ -3,6 +3,7 @@ same outputs when the logs arrive shuffled and duplicated."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -12,7 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.schemas.events import Event, SampleMode, Trajectory
+from rollstream.schemas.events import (
+    EvaluatorOutput,
+    Event,
+    RolloutFinished,
+    SampleMode,
+    SandboxEvent,
+    SandboxPhase,
+    StageEvent,
+    StageName,
+    StagePhase,
+    Trajectory,
+)
 from rollstream.streams.core import (
     GroupClosed,
     GroupConfig,
@@ -207,3 +219,68 @@ def test_subagent_failed_and_group_cases() -> None:
         True,
         [],
     )
+
+
+# --- lifecycle facts interleaved ---------------------------------------------------------------
+
+
+def with_lifecycle(events: list[Event]) -> tuple[list[Event], dict[str, int]]:
+    """Each rollout's log with lifecycle bodies (stage, sandbox, evaluator output) after every
+    event but its RolloutFinished, seqs renumbered gap-free; and how many each rollout got."""
+    by_rollout: dict[str, dict[int, Event]] = {}
+    for event in events:
+        by_rollout.setdefault(event.rollout_id, {}).setdefault(event.seq, event)
+    facts = [
+        StageEvent(StageName.INIT, StagePhase.STARTED, job_id="j", worker="w"),
+        SandboxEvent("sb-1", SandboxPhase.READY, kind="bwrap", duration_ms=12.5, job_id="j"),
+        StageEvent(StageName.RUN, StagePhase.FINISHED, "ok", 950.0, "j", "w", ""),
+        EvaluatorOutput("suite", "ok", 3, 4, "3 passed, 1 failed", False, "j"),
+        SandboxEvent("sb-1", SandboxPhase.RELEASED, kind="bwrap", duration_ms=3.0, job_id="j"),
+    ]
+    out: list[Event] = []
+    added: dict[str, int] = {}
+    for rid, by_seq in by_rollout.items():
+        seq = 0
+        for i, old in enumerate(by_seq[s] for s in sorted(by_seq)):
+            out.append(dataclasses.replace(old, seq=seq))
+            seq += 1
+            if isinstance(old.body, RolloutFinished):
+                continue
+            body = facts[i % len(facts)]
+            out.append(Event(f"{old.event_id}.life", rid, seq, old.ts, body, producer="svc"))
+            seq += 1
+            added[rid] = added.get(rid, 0) + 1
+    return out, added
+
+
+LIFECYCLE_CASES = [c for c in CASES if c != "invalid"]  # that one's seqs are the point
+
+
+def test_golden_cases_are_gap_free_so_lifecycle_can_be_interleaved() -> None:
+    for case in LIFECYCLE_CASES:
+        by_rollout: dict[str, set[int]] = {}
+        for event in load(case):
+            by_rollout.setdefault(event.rollout_id, set()).add(event.seq)
+        assert all(seqs == set(range(len(seqs))) for seqs in by_rollout.values()), case
+
+
+@pytest.mark.parametrize("case", LIFECYCLE_CASES)
+def test_lifecycle_events_change_no_trajectory_nor_sample(case: str) -> None:
+    want = expected(case)
+    events, added = with_lifecycle(load(case))
+    assert sum(added.values()) > 0
+    got = rebuild(shuffled_with_duplicates(events, seed=len(events)))
+    assert got["invalid"] == want["invalid"]  # accepted: no dead letter
+    trajectories = [t.to_json() for t in got["trajectories"]]
+    assert len(trajectories) == len(want["trajectories"])
+    for t, w in zip(trajectories, want["trajectories"], strict=True):
+        extra = added.get(t["rollout_id"], 0)
+        assert t["num_events"] == w["num_events"] + extra  # their seqs were consumed
+        assert t["last_seq"] == w["last_seq"] + extra
+        drop = {"num_events", "last_seq"}
+        assert {k: v for k, v in t.items() if k not in drop} == {
+            k: v for k, v in w.items() if k not in drop
+        }
+    for mode in SampleMode:
+        assert samples_json(got["trajectories"], mode) == want[f"samples_{mode}"]
+        assert groups_json(got["trajectories"], mode) == want[f"groups_{mode}"]
