@@ -138,16 +138,20 @@ def schema(client: Any, db: str) -> list[tuple[Any, ...]]:
 def test_migrations_apply_once_and_twice_changes_nothing(client: Any) -> None:
     db = database_for(f"m{uuid.uuid4().hex[:8]}")
     applied = apply_migrations(client, db)
-    assert applied == ["0001_events", "0002_rollouts", "0003_training", "0004_rollout_tokens"]
+    assert applied == [
+        "0001_events", "0002_rollouts", "0003_training", "0004_rollout_tokens",
+        "0005_rollout_stages",
+    ]  # fmt: skip
     before = schema(client, db)
     assert {r[0] for r in before} == {
         "events", "llm_calls", "tool_calls", "rewards", "rollouts", "rollout_status",
         "trajectories", "samples", "policy_versions", "schema_migrations", "rollout_tokens",
         "rollout_tokens_from_rollouts", "rollout_tokens_from_llm_calls",
+        "stages", "sandboxes", "evaluator_outputs",
     }  # fmt: skip
     assert apply_migrations(client, db) == []
     assert schema(client, db) == before
-    assert count(client, f"SELECT count() FROM {db}.schema_migrations") == 4
+    assert count(client, f"SELECT count() FROM {db}.schema_migrations") == 5
 
 
 def test_ddl_columns_match_the_row_mapping(client: Any, db: str) -> None:
@@ -174,13 +178,13 @@ def test_edited_or_new_migrations(client: Any, tmp_path: Path) -> None:
     directory = tmp_path / "migrations"
     shutil.copytree(MIGRATIONS_DIR, directory)
     db = database_for(f"m{uuid.uuid4().hex[:8]}")
-    assert len(apply_migrations(client, db, directory=directory)) == 4
-    (directory / "0005_extra.sql").write_text(
+    assert len(apply_migrations(client, db, directory=directory)) == 5
+    (directory / "0099_extra.sql").write_text(
         "-- a later migration; semicolons in 'strings; like this' stay\n"
         "CREATE TABLE IF NOT EXISTS {db}.extra (x String DEFAULT 'a;b') "
         "ENGINE = MergeTree ORDER BY x;\n"
     )
-    assert apply_migrations(client, db, directory=directory) == ["0005_extra"]
+    assert apply_migrations(client, db, directory=directory) == ["0099_extra"]
     assert count(client, f"SELECT count() FROM system.tables WHERE database = '{db}' "
                          "AND name = 'extra'") == 1  # fmt: skip
     path = directory / "0001_events.sql"
