@@ -85,6 +85,8 @@ class Evaluation:
     reason: str = ""
     output: str = ""
     duration_s: float = 0.0
+    passed: int = 0  # checks passed, of ``total`` (0 / 0: an evaluator that reports no checks)
+    total: int = 0
 
     @classmethod
     def not_judged(cls, status: EvalStatus, reason: str, output: str = "") -> Evaluation:
@@ -171,6 +173,8 @@ class SuiteEvaluator:
             milestones=milestones,
             reason=check.error or "",
             output=output,
+            passed=len(milestones),
+            total=check.total,
         )
 
 

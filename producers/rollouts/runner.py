@@ -40,9 +40,8 @@ posted when it happens, so they sit between the rollout's other events in this o
 
 A stage that ends the rollout early (INIT failed, the agent failed) is the last StageEvent.
 StageEvent's ``worker`` is the worker id, ``job_id`` the plan's job. EvaluatorOutput's
-passed / total: passed is the evaluation's milestones (one per passed check); total is what
-their values imply (each 1/total, the suite evaluator's convention), for a suite evaluator
-with no check passed the task's hidden tests, else 0 (an evaluator that reports no checks).
+passed / total: the evaluation's own count of checks (0 / 0 for an evaluator that reports
+none).
 
 What happens in a stage (a sandbox that cannot start, an agent or evaluator that fails or
 raises) is in the returned ``RolloutResult`` and on the log, never raised. Only the proxy's
@@ -358,13 +357,12 @@ class _Run:
         }
 
     def evaluator_output(self, evaluation: Evaluation) -> dict[str, Any]:
-        passed, total = _checks(evaluation, self.task, self.evaluator.name)
         return {
             "type": "evaluator_output",
             "evaluator": self.evaluator.name,
             "status": evaluation.status,
-            "passed": passed,
-            "total": total,
+            "passed": evaluation.passed,
+            "total": evaluation.total,
             "output": evaluation.output[:MAX_OUTPUT],
             "output_truncated": len(evaluation.output) > MAX_OUTPUT,
             "job_id": self.plan.job_id,
@@ -476,14 +474,3 @@ class _Run:
             return
         if record:
             self.post(self.sandbox_event("released", sandbox.id, time.monotonic() - t0))
-
-
-def _checks(evaluation: Evaluation, task: Task, evaluator: str) -> tuple[int, int]:
-    """(passed, total) of an evaluation (module docstring)."""
-    passed = len(evaluation.milestones)
-    values = [value for _, value in evaluation.milestones if value > 0]
-    if values:
-        return passed, max(passed, round(1.0 / min(values)))
-    if evaluator == "suite" and evaluation.status == "ok":
-        return 0, len(task.hidden_test_names())
-    return passed, 0
