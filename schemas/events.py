@@ -34,6 +34,7 @@ __all__ = [
     "BranchKind",
     "EvaluatorOutput",
     "Event",
+    "Lifecycle",
     "LlmCall",
     "PolicyVersion",
     "Record",
@@ -426,6 +427,8 @@ Body: TypeAlias = (
     | SandboxEvent
     | EvaluatorOutput
 )
+# lifecycle facts of the rollout service: on the log beside the trajectory, not in it
+Lifecycle: TypeAlias = StageEvent | SandboxEvent | EvaluatorOutput
 LIFECYCLE_TYPES: tuple[type[_Record], ...] = (StageEvent, SandboxEvent, EvaluatorOutput)
 _BODY_CLASSES: tuple[type[_Record], ...] = (
     RolloutStarted,

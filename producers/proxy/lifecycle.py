@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Final, TypeAlias
+from typing import Any, Final
 
 from rollstream.producers.errors import ApiError
 from rollstream.schemas import (
     EvaluatorOutput,
+    Lifecycle,
     SandboxEvent,
     SandboxPhase,
     StageEvent,
@@ -32,9 +33,7 @@ from rollstream.schemas import (
     StagePhase,
 )
 
-__all__ = ["MAX_EVENTS", "MAX_OUTPUT", "MAX_REASON", "Lifecycle", "parse_lifecycle"]
-
-Lifecycle: TypeAlias = StageEvent | SandboxEvent | EvaluatorOutput
+__all__ = ["MAX_EVENTS", "MAX_OUTPUT", "MAX_REASON", "parse_lifecycle"]
 
 MAX_EVENTS: Final = 100  # items per request
 MAX_ID: Final = 256  # job_id, worker, sandbox_id, kind, evaluator

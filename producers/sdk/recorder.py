@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,8 +48,8 @@ from rollstream.schemas import (
     BranchKind,
     Codec,
     EncodeError,
-    EvaluatorOutput,
     Event,
+    Lifecycle,
     LlmCall,
     Reward,
     RewardKind,
@@ -57,14 +57,10 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
     RolloutStatus,
-    SandboxEvent,
-    StageEvent,
     ToolCall,
     Usage,
 )
 from rollstream.schemas.events import Body
-
-Lifecycle: TypeAlias = StageEvent | SandboxEvent | EvaluatorOutput
 
 __all__ = [
     "Recorder",

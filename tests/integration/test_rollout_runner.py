@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from _logged_process import LoggedProcess
 
 from rollstream.adapters.topics import ensure_topics
 from rollstream.inference.tinymodel import ensure_tiny_model
-from rollstream.infra.kafka import KafkaBroker
+from rollstream.infra.kafka import KafkaBroker, free_port
 from rollstream.producers.rollouts.agents import (
     AgentContext,
     AgentOutcome,
@@ -62,12 +61,6 @@ pytestmark = pytest.mark.integration
 
 ADMIN = "admin-key-for-rollout-tests"
 TASK_ID = "balanced-brackets"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(url: str, proc: LoggedProcess, timeout: float = 180.0) -> None:
