@@ -18,8 +18,13 @@ from typing import Any
 from rollstream.producers.errors import RolloutExists
 from rollstream.producers.rollouts.agents import build_agent
 from rollstream.producers.rollouts.evaluators import build_evaluator
-from rollstream.producers.rollouts.jobs import JobSpec, RolloutPlan, expand, next_attempt
-from rollstream.producers.rollouts.jobs import resolve_tasks as resolve
+from rollstream.producers.rollouts.jobs import (
+    JobSpec,
+    RolloutPlan,
+    expand,
+    next_attempt,
+    resolve_tasks,
+)
 from rollstream.producers.rollouts.reaper import reap
 from rollstream.producers.rollouts.runner import RolloutResult, run_rollout
 from rollstream.producers.rollouts.sandbox import SandboxProvider, open_provider
@@ -53,7 +58,7 @@ def run_job(
     """Run every rollout of ``job``; returns the last attempt's result of each plan, in plan
     order. A plan whose id the proxy already has (``RolloutExists``: the job ran before) is
     skipped and logged, not run twice."""
-    tasks = {t.task_id: t for t in resolve(job)}
+    tasks = {t.task_id: t for t in resolve_tasks(job)}
     plans = expand(job, list(tasks.values()))
     provider = provider_for(job, settings)
     reap([provider], stage="init")  # what a killed worker left behind
