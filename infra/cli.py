@@ -196,6 +196,106 @@ def cmd_run_job(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
+def cmd_jobs(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.producers.errors import JobSpecError
+    from rollstream.producers.rollouts import jobqueue
+
+    action, target = args.action, args.target
+    if (target is None) == (action in ("submit", "status", "cancel")):
+        what = "a job file" if action == "submit" else "a job id"
+        _say(f"error: `jobs {action}` takes {what if target is None else 'no argument'}")
+        return 2
+    try:
+        if action == "list":
+            from rollstream.producers.rollouts.jobstatus import job_rows
+
+            _show_jobs(job_rows(jobqueue.list_jobs(settings)), as_json=args.json)
+        elif action == "status":
+            status = jobqueue.job_status(settings, target)
+            if args.json:
+                _print_json(status.to_json())
+            else:
+                _show_status(status)
+        else:
+            if action == "submit":
+                from rollstream.producers.rollouts.jobs import load_job
+
+                record = jobqueue.submit_job(settings, load_job(target))
+                line = f"{record.rollouts} rollouts queued on {settings.topics().task('init')}"
+            else:
+                record = jobqueue.cancel_job(settings, target, args.reason or "")
+                line = f"cancelled ({record.reason or 'no reason given'})"
+            if args.json:
+                _print_json(record.model_dump(mode="json"))
+            else:
+                print(f"job {record.job_id}: {line}")
+    except JobSpecError as exc:  # one line naming the field
+        where = ": ".join(part for part in (exc.source, exc.field) if part)
+        message = " ".join(exc.message.split())
+        _say(f"error: invalid job: {where + ': ' if where else ''}{message}")
+        return 1
+    except jobqueue.JobQueueError as exc:
+        _say(f"error: {exc}")
+        return 1
+    return 0
+
+
+def _print_json(data: Any) -> None:
+    import json
+
+    print(json.dumps(data, indent=2))
+
+
+def _show_jobs(rows: list[dict[str, Any]], *, as_json: bool) -> None:
+    if as_json:
+        _print_json(rows)
+        return
+    import datetime as dt
+
+    from rich.table import Table
+
+    table = Table("job", "submitted", "tasks", "samples", "rollouts", "agent", "state")
+    for r in rows:
+        at = dt.datetime.fromtimestamp(r["submitted_at"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        state = f"cancelled: {r['reason']}"[:60] if r["cancelled"] else "submitted"
+        table.add_row(
+            r["job_id"], at, str(r["tasks"]), str(r["samples_per_task"]), str(r["rollouts"]),
+            r["agent"], state,
+        )  # fmt: skip
+    _console(stderr=False).print(table)
+
+
+def _show_status(status: Any) -> None:
+    from rich.table import Table
+
+    out = _console(stderr=False)
+    stages = Table("stage", "queued", "running", "done", "failed", "timeout", title="stages")
+    for name, c in status.stages.items():
+        stages.add_row(name, *(str(n) for n in (c.queued, c.running, c.done, c.failed, c.timeout)))
+    plans = Table("task", "sample", "attempt", "state", "reward", "rollout", "reason",
+                  title="rollouts")  # fmt: skip
+    for p in status.plans:
+        reward = "-" if p.reward is None else f"{p.reward:.3f}"
+        plans.add_row(
+            p.task_id, str(p.sample), f"{p.attempt} ({p.attempts} started)", p.state, reward,
+            p.rollout_id, p.reason[:60],
+        )  # fmt: skip
+    out.print(stages)
+    out.print(plans)
+    t = status.totals
+    mean = "-" if t.mean_reward is None else f"{t.mean_reward:.3f}"
+    out.print(
+        f"job {status.job_id}: {status.state}; {t.finished}/{t.planned} finished, "
+        f"{t.completed} completed, mean final reward {mean}"
+    )
+
+
+def cmd_workers(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.producers.rollouts.workers import run_workers
+
+    return run_workers(settings)
+
+
 _BROKER = (
     flag(
         "--host",
@@ -420,6 +520,48 @@ _COMMANDS = (
             ),
         ),
         cmd_run_job,
+    ),
+    Command(
+        "jobs",
+        "the rollout service's jobs: submit a job file, list, status, cancel",
+        "rollstream.producers.rollouts.settings:RolloutSettings",
+        "rollouts",
+        (
+            flag("action", help="what to do", choices=("submit", "status", "list", "cancel")),
+            flag(
+                "target",
+                help="submit: the job file (YAML or JSON); status, cancel: the job id",
+                nargs="?",
+                metavar="FILE|JOB_ID",
+            ),
+            flag("--reason", help="cancel: why (kept on the job's record)"),
+            flag("--json", help="print JSON instead of tables", action="store_true"),
+        ),
+        cmd_jobs,
+    ),
+    Command(
+        "workers",
+        "run the rollout service's stage workers (INIT, RUN, EVAL) on the job queue",
+        "rollstream.producers.rollouts.settings:RolloutSettings",
+        "rollouts",
+        (
+            flag(
+                "--stage",
+                help="the stage(s) this process serves",
+                setting="rollouts_stages",
+                choices=("init", "run", "eval", "all"),
+            ),
+            flag(
+                "--concurrency",
+                help="rollouts at once",
+                setting="rollouts_concurrency",
+                type=int,
+                metavar="N",
+            ),
+            flag("--proxy", help="the recording proxy's URL", setting="rollouts_proxy_url"),
+        ),
+        cmd_workers,
+        service=True,
     ),
     Command(
         "replay",

@@ -33,6 +33,11 @@ so the SDK's import path stays light). The modules that raise them re-export the
     │   │                            answer or a refusal; .status (None: no answer)
     │   └── RolloutExists            the rollout id is taken at the proxy (409): a redelivered
     │                                stage message, not a second rollout
+    ├── JobQueueError                (rollouts/jobqueue.py) the job queue's topics cannot be
+    │   │                            read or written: the broker unreachable, a record not
+    │   │                            acknowledged, a read past its timeout
+    │   ├── JobExists                a job with this id was submitted already; .job_id
+    │   └── JobNotFound              no job with this id was submitted; .job_id
     └── ProxyError                   root of the recording proxy's errors (producers/proxy)
         ├── ProxyConfigError         a setting or argument the proxy cannot work with (ValueError)
         ├── ApiError                 (openai_wire.py) an HTTP error answer: status, OpenAI error
@@ -78,6 +83,9 @@ __all__ = [
     "EvaluatorError",
     "Http1Error",
     "Http1ErrorKind",
+    "JobExists",
+    "JobNotFound",
+    "JobQueueError",
     "JobSpecError",
     "NoBackendAvailable",
     "PoolError",
@@ -301,3 +309,24 @@ class RolloutCallError(ProducerError):
 
 class RolloutExists(RolloutCallError):
     """The proxy has (or had) a rollout with this id: the stage message was delivered again."""
+
+
+class JobQueueError(ProducerError):
+    """The job queue's topics (rollout.jobs, rollout.tasks.*, rollout.events) cannot be read or
+    written: the broker unreachable, a record not acknowledged, a read past its timeout."""
+
+
+class JobExists(JobQueueError):
+    """A job with this id was submitted already (the same spec has the same id)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} was submitted already")
+        self.job_id = job_id
+
+
+class JobNotFound(JobQueueError):
+    """No job with this id was submitted (in this namespace)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r} was submitted")
+        self.job_id = job_id

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["DLQ", "EVENTS", "POLICY", "SAMPLES", "TASKS", "TRAJECTORIES", "TopicSpec", "Topics"]
+__all__ = [
+    "DLQ",
+    "EVENTS",
+    "JOBS",
+    "POLICY",
+    "SAMPLES",
+    "TASKS",
+    "TRAJECTORIES",
+    "TopicSpec",
+    "Topics",
+]
 
 EVENTS = "rollout.events"
 DLQ = "rollout.events.dlq"
@@ -16,6 +26,7 @@ TRAJECTORIES = "trajectories"
 SAMPLES = "samples"
 POLICY = "policy.versions"
 TASKS = ("rollout.tasks.init", "rollout.tasks.run", "rollout.tasks.eval")
+JOBS = "rollout.jobs"
 
 _FOREVER = -1
 _WEEK_MS = 7 * 24 * 3600 * 1000
@@ -76,6 +87,7 @@ _BASE: tuple[TopicSpec, ...] = (
         TopicSpec(t, 6, "rollout_id", "rollout-service stage queue", retention_ms=_WEEK_MS)
         for t in TASKS
     ),
+    TopicSpec(JOBS, 1, "job_id", "rollout-service jobs: submitted (the plan), cancelled"),
 )
 
 
@@ -109,6 +121,10 @@ class Topics:
     @property
     def policy(self) -> str:
         return self.name(POLICY)
+
+    @property
+    def jobs(self) -> str:
+        return self.name(JOBS)
 
     def task(self, stage: str) -> str:
         return self.name(f"rollout.tasks.{stage}")

@@ -44,6 +44,9 @@ _LIFECYCLE = _schema(
     )},
 )  # fmt: skip
 _WEIGHTS = _schema("path version", path=_S, version=_I)
+_JOB = _schema("tasks agent", job_id=_S, tasks=_OBJ, samples_per_task=_I, agent=_OBJ,
+               sandbox=_OBJ, evaluator=_OBJ, timeouts=_OBJ, attempts=_I, run_id=_S,
+               policy=_S)  # fmt: skip
 _CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409", "401"
 
 # (path, method, summary, security, request body schema, error statuses)
@@ -70,6 +73,11 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/rollouts/{rollout_id}/events", "post",
      "record lifecycle facts (stage, sandbox, evaluator output)", "adminKey", _LIFECYCLE,
      _ROLL),
+    ("/v1/jobs", "post", "queue a rollout job (202 {job_id, rollouts, topic})", "adminKey",
+     _JOB, "400 401 409 413 503"),
+    ("/v1/jobs", "get", "the submitted jobs", "adminKey", None, "401 503"),
+    ("/v1/jobs/{job_id}", "get", "where a job stands: stages, rollouts, totals", "adminKey",
+     None, "400 401 404 503"),
     ("/v1/admin/pause", "post", "hold new model calls (?drain=true also waits for in-flight)",
      "adminKey", None, _ADMIN),
     ("/v1/admin/drain", "post", "wait for in-flight calls (?timeout=seconds)", "adminKey", None,

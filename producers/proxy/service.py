@@ -11,8 +11,8 @@ Routes (docs/proxy.md; GET /openapi.json describes them; ``Proxy.endpoints()`` i
     GET  /rollouts/{rollout_id}/v1/models
     POST /v1/chat/completions, /v1/completions        the same; the rollout is the token's
     GET  /v1/models, /health, /openapi.json
-    the rollout API (rollout_api.py) and the admin routes /v1/admin/{pause,drain,resume,
-    update_weights,status}
+    the rollout API (rollout_api.py), the job routes /v1/jobs (jobs_api.py) and the admin
+    routes /v1/admin/{pause,drain,resume,update_weights,status}
 
 One request, one pipeline. After the rollout token is checked (``open_rollout``) and the body
 read (413 past the limit), a chat call is seven steps, each one function called once, in this
@@ -75,6 +75,7 @@ from rollstream.producers.proxy.chat import (
     render_text,
     render_turn,
 )
+from rollstream.producers.proxy.jobs_api import JobsApi
 from rollstream.producers.proxy.openai_wire import (
     Answer,
     CallParams,
@@ -150,6 +151,7 @@ class Proxy:
         )
         self.rollouts = Rollouts(recorder, pool)
         self.api = RolloutApi(self.rollouts, self.auth, public_url=s.proxy_public_url)
+        self.jobs = JobsApi(settings, self.auth)
         self.max_model_len = s.proxy_max_model_len or chat.max_model_len
         self.max_prompt = s.proxy_max_prompt_tokens or self.max_model_len
         self.model = s.proxy_model_name
@@ -184,6 +186,7 @@ class Proxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self.rollouts.close("the proxy shut down")
+        await asyncio.to_thread(self.jobs.close)
         if self._owns_pool:
             await self.pool.aclose()
         if self._owns_recorder:
@@ -509,6 +512,9 @@ class Proxy:
             ("/v1/rollouts/{rollout_id}/tool_calls", "POST", api.tool_calls),
             ("/v1/rollouts/{rollout_id}/finish", "POST", api.finish),
             ("/v1/rollouts/{rollout_id}/events", "POST", api.events),
+            ("/v1/jobs", "POST", self.jobs.submit),
+            ("/v1/jobs", "GET", self.jobs.list),
+            ("/v1/jobs/{job_id}", "GET", self.jobs.status),
             ("/v1/admin/pause", "POST", self.admin_pause),
             ("/v1/admin/drain", "POST", self.admin_drain),
             ("/v1/admin/resume", "POST", self.admin_resume),

@@ -508,6 +508,24 @@ class DockerProvider:
             raise
         return sandbox
 
+    def attach(self, sandbox_id: str, spec: SandboxSpec) -> DockerSandbox:
+        """The sandbox ``sandbox_id`` made earlier (by any process using this dockerd), to
+        work in; ``spec`` is the one it was made from. SandboxStateError when it is gone."""
+        with self.daemon_errors(f"sandbox {sandbox_id}: attach"):
+            try:
+                container = self.client.containers.get(sandbox_id)
+            except self.errors.NotFound as exc:
+                raise SandboxStateError(f"sandbox {sandbox_id} is gone") from exc
+        try:
+            record = SandboxRecord.from_labels(container.labels)
+        except SandboxSpecError as exc:
+            raise SandboxStateError(f"sandbox {sandbox_id}: {exc}") from exc
+        if container.status != "running":
+            raise SandboxStateError(f"sandbox {sandbox_id} is {container.status}")
+        sandbox = DockerSandbox(self, record, spec)
+        sandbox.container_id = container.id
+        return sandbox
+
     def records(self) -> list[SandboxRecord]:
         found: dict[str, SandboxRecord] = {}
         with self.daemon_errors("docker sandboxes: list"):

@@ -47,6 +47,7 @@ from rollstream.producers.rollouts.sandbox import (
     SandboxRecord,
     SandboxSpec,
     SandboxSpecError,
+    SandboxStateError,
     SandboxUnavailable,
     new_sandbox_id,
 )
@@ -390,6 +391,19 @@ class HostDirProvider:
             with contextlib.suppress(SandboxError, OSError):
                 sandbox.destroy()  # what was made; the first error is the one to report
             raise
+        return sandbox
+
+    def attach(self, sandbox_id: str, spec: SandboxSpec) -> HostDirSandbox:
+        """The sandbox ``sandbox_id`` made earlier (by this or another process on this host),
+        to work in; ``spec`` is the one it was made from. SandboxStateError when it is gone."""
+        path = self.root / f"{sandbox_id}.json"
+        try:
+            record = SandboxRecord.from_labels(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise SandboxStateError(f"sandbox {sandbox_id} is gone: {exc}") from exc
+        sandbox = self.sandbox_class(self, record, spec)
+        if record.kind != self.kind or not sandbox.host_workdir.is_dir():
+            raise SandboxStateError(f"sandbox {sandbox_id} is gone (no {self.kind} workdir)")
         return sandbox
 
     def _prepare(self, sandbox: HostDirSandbox) -> None:

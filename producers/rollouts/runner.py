@@ -83,7 +83,9 @@ __all__ = [
     "RolloutCallError",
     "RolloutExists",
     "RolloutResult",
+    "RolloutStages",
     "Stage",
+    "open_rollout",
     "run_rollout",
 ]
 
@@ -182,10 +184,12 @@ class ProxyClient:
         """Lifecycle events (``{type: stage | sandbox | evaluator_output, ...}``), in order."""
         self._post(f"/v1/rollouts/{rollout_id}/events", {"events": list(items)}, ok=200)
 
-    def finish(self, rollout_id: str, status: str, error: str | None) -> None:
-        """``status``: a RolloutStatus value (completed, failed, timeout, aborted...)."""
+    def finish(self, rollout_id: str, status: str, error: str | None) -> bool:
+        """``status``: a RolloutStatus value (completed, failed, timeout, aborted...). True when
+        this call finished it, False when it had finished before."""
         body = {"status": status, "error": error}
-        self._post(f"/v1/rollouts/{rollout_id}/finish", body, ok=200)
+        answer = self._post(f"/v1/rollouts/{rollout_id}/finish", body, ok=200)
+        return bool(answer.get("finished", True))
 
     def _post(self, path: str, body: Mapping[str, Any], *, ok: int) -> dict[str, Any]:
         try:
@@ -215,6 +219,26 @@ def _sampling(agent: Agent) -> dict[str, float]:
     return {}
 
 
+def open_rollout(
+    proxy: ProxyClient, plan: RolloutPlan, job: JobSpec, agent: Agent, evaluator: Evaluator
+) -> RolloutEndpoint:
+    """Open the plan's rollout at the proxy (RolloutStarted with the job's metadata); a taken
+    id raises RolloutExists."""
+    metadata = {
+        "job_id": plan.job_id,
+        "sample": str(plan.sample_index),
+        "attempt": str(plan.attempt),
+        "agent": agent.name,
+        "evaluator": evaluator.name,
+        "sandbox": job.sandbox.kind,
+    }
+    if job.policy:
+        metadata["policy"] = job.policy
+    return proxy.create(
+        plan, run_id=job.run_id, harness=agent.name, sampling=_sampling(agent), metadata=metadata
+    )
+
+
 def run_rollout(
     plan: RolloutPlan,
     job: JobSpec,
@@ -235,51 +259,18 @@ def run_rollout(
     if task.task_id != plan.task_id:
         raise ValueError(f"task {task.task_id!r} is not the plan's {plan.task_id!r}")
     with ProxyClient(proxy_url, admin_key, transport=transport) as proxy:
-        metadata = {
-            "job_id": plan.job_id,
-            "sample": str(plan.sample_index),
-            "attempt": str(plan.attempt),
-            "agent": agent.name,
-            "evaluator": evaluator.name,
-            "sandbox": job.sandbox.kind,
-        }
-        if job.policy:
-            metadata["policy"] = job.policy
-        endpoint = proxy.create(
-            plan,
-            run_id=job.run_id,
-            harness=agent.name,
-            sampling=_sampling(agent),
-            metadata=metadata,
-        )
+        endpoint = open_rollout(proxy, plan, job, agent, evaluator)
         log.debug("rollout %s opened (task %s)", plan.rollout_id, plan.task_id)
-        run = _Run(
+        run = RolloutStages(
             plan, job, task, endpoint, sandbox_provider, agent, evaluator, worker_id, log, proxy
         )
         try:
             result = run.stages()
             run.destroy()
         except BaseException as exc:  # a bug, the worker stopping, the proxy refusing an event:
-            status = "failed" if isinstance(exc, Exception) else "aborted"  # it still ends
-            try:
-                with contextlib.suppress(RolloutCallError):
-                    reason = clip(f"{run.stage}: {exc!r}", MAX_REASON)
-                    proxy.finish(plan.rollout_id, status, reason)
-            finally:
-                run.destroy(record=False)
+            run.fail(exc)  # it still ends
             raise
-        try:
-            if result.evaluation is not None and result.evaluation.status == "ok":
-                items = _reward_items(result.evaluation, evaluator.name)
-                proxy.rewards(plan.rollout_id, items)
-                posted = tuple((i["kind"], i["name"], float(i["value"])) for i in items)
-                result = replace(result, rewards=posted)
-            proxy.finish(plan.rollout_id, result.status, result.reason or None)
-        except RolloutCallError as exc:
-            reason = clip(f"eval: posting the outcome failed: {exc}", MAX_REASON)
-            with contextlib.suppress(RolloutCallError):
-                proxy.finish(plan.rollout_id, "failed", reason)
-            raise
+        result = run.conclude(result)
     log.info(
         "rollout %s %s (%s%s)",
         plan.rollout_id,
@@ -299,7 +290,7 @@ def _reward_items(evaluation: Evaluation, name: str) -> list[dict[str, Any]]:
     return items
 
 
-class _Run:
+class RolloutStages:
     """The stages of one rollout, and what they leave behind (the sandbox to destroy)."""
 
     def __init__(
@@ -386,7 +377,18 @@ class _Run:
         )
 
     def stages(self) -> RolloutResult:
-        # INIT
+        """INIT, RUN and EVAL in a row (run_rollout)."""
+        failed = self.init_stage()
+        if failed is not None:
+            return failed
+        outcome = self.run_stage()
+        if isinstance(outcome, RolloutResult):
+            return outcome
+        return self.eval_stage(outcome)
+
+    def init_stage(self) -> RolloutResult | None:
+        """Create the sandbox; None when it is ready, the rollout's result when not."""
+        self.stage = "init"
         self.post(self.started("init"))
         t0 = time.monotonic()
         labels = SandboxLabels(
@@ -411,8 +413,11 @@ class _Run:
             self.post(ready, self.finished("init", "timeout", reason))
             return self.result("timeout", reason)
         self.post(ready, self.finished("init", "ok"))
+        return None
 
-        # RUN
+    def run_stage(self) -> AgentOutcome | RolloutResult:
+        """The agent in the sandbox; its outcome, or the rollout's result when it failed."""
+        assert self.sandbox is not None  # INIT made it, or the worker attached it
         self.stage = "run"
         self.post(self.started("run"))
         t0 = time.monotonic()
@@ -434,8 +439,11 @@ class _Run:
         self.post(self.finished("run", outcome.status, why))
         if outcome.status == "failed":
             return self.result("failed", why, agent=outcome)
+        return outcome
 
-        # EVAL
+    def eval_stage(self, outcome: AgentOutcome) -> RolloutResult:
+        """The evaluator on what the agent left; the rollout's result."""
+        assert self.sandbox is not None
         self.stage = "eval"
         self.post(self.started("eval"))
         t0 = time.monotonic()
@@ -459,6 +467,36 @@ class _Run:
             reason = f"run: {outcome.reason or 'deadline'}"
             return self.result("timeout", reason, where="", **done)
         return self.result("completed", **done)
+
+    def conclude(self, result: RolloutResult) -> RolloutResult:
+        """Post the evaluator's rewards (when it judged) and finish the rollout; the result
+        with the rewards as posted. Posting failing finishes the rollout ``failed`` and
+        raises RolloutCallError."""
+        plan, proxy = self.plan, self.proxy
+        try:
+            if result.evaluation is not None and result.evaluation.status == "ok":
+                items = _reward_items(result.evaluation, self.evaluator.name)
+                proxy.rewards(plan.rollout_id, items)
+                posted = tuple((i["kind"], i["name"], float(i["value"])) for i in items)
+                result = replace(result, rewards=posted)
+            proxy.finish(plan.rollout_id, result.status, result.reason or None)
+        except RolloutCallError as exc:
+            reason = clip(f"eval: posting the outcome failed: {exc}", MAX_REASON)
+            with contextlib.suppress(RolloutCallError):
+                proxy.finish(plan.rollout_id, "failed", reason)
+            raise
+        return result
+
+    def fail(self, exc: BaseException) -> None:
+        """After an exception in a stage: finish the rollout (``failed``; ``aborted`` when the
+        worker is stopping) and destroy the sandbox, best effort."""
+        status = "failed" if isinstance(exc, Exception) else "aborted"
+        try:
+            with contextlib.suppress(RolloutCallError):
+                reason = clip(f"{self.stage}: {exc!r}", MAX_REASON)
+                self.proxy.finish(self.plan.rollout_id, status, reason)
+        finally:
+            self.destroy(record=False)
 
     def destroy(self, *, record: bool = True) -> None:
         """Destroy the sandbox (once); ``record``: post its SandboxEvent released (not when

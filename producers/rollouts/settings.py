@@ -20,6 +20,8 @@ class RolloutSettings(CommonSettings):
     rollouts_docker_url: str | None = None  # dockerd for docker sandboxes; unset: DOCKER_HOST
     rollouts_concurrency: int = Field(default=2, ge=1, le=256)  # rollouts at once per worker
     rollouts_worker_id: str = ""  # labels this worker's sandboxes; unset: host-pid
+    rollouts_stages: str = "all"  # stages a `rollstream workers` process serves: init|run|eval|all
+    rollouts_sweep_s: float = Field(default=30.0, ge=0.5, le=3600)  # claims of dead workers
 
     def sandbox_root(self) -> Path:
         return self.rollouts_sandbox_root or self.home / "sandboxes"

@@ -1,0 +1,634 @@
+"""The rollout service's stage workers: ``rollstream workers --stage init|run|eval|all``.
+
+Each stage is a Kafka consumer group (``rollstream.rollouts.<stage>``, namespaced like the
+topics) over its queue ``<ns>.rollout.tasks.<stage>``; a worker process runs the stages it is
+given, ``rollouts_concurrency`` messages at once per stage, so a stage scales by adding workers
+and a slow stage never holds another's messages. For one message a worker:
+
+- INIT: opens the rollout at the proxy, creates the sandbox (runner.RolloutStages.init_stage),
+  releases its claim with the RUN message in it and sends that message;
+- RUN: claims the sandbox, runs the agent, releases the claim with the EVAL message, sends it;
+- EVAL: claims the sandbox, runs the evaluator, posts the rewards, destroys the sandbox and
+  finishes the rollout.
+
+A message's offset is committed only once its output is durable (the next message acknowledged
+by the broker, or the rollout finished at the proxy), and only in order per partition
+(stages.OffsetBook); while a worker is full it pauses its partitions and keeps polling, so the
+group never drops it for a long stage. A redelivered message (a rebalance, a killed worker) is
+judged from the rollout's claim (stages.judge): skipped while a live worker has it, sent on when
+its stage was done, or -- when the worker that had it died, or its sandbox is gone -- the
+sandbox is destroyed, the rollout finished ``aborted`` and its next attempt queued (a new
+rollout id in the same group; none once the job's attempts are used). A sweep every
+``rollouts_sweep_s`` does the same for claims whose holder died, and destroys unclaimed sandboxes
+of dead workers (reaper.py), so a worker killed with SIGKILL loses no rollout and leaks no
+sandbox. A cancelled job's messages (``rollout.jobs``) are dropped at INIT and aborted later.
+
+A message that cannot be decoded goes to the dead-letter topic with the reason
+(schemas/dlq.py); a call to the proxy that gets no answer is tried again (the offset waits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from rollstream.producers.errors import RolloutCallError, RolloutExists, SandboxError
+from rollstream.producers.rollouts.agents import AgentOutcome, build_agent
+from rollstream.producers.rollouts.claims import ClaimFile, ClaimStore, holder_id
+from rollstream.producers.rollouts.evaluators import build_evaluator
+from rollstream.producers.rollouts.local_jobs import provider_for
+from rollstream.producers.rollouts.reaper import kill_marked_processes
+from rollstream.producers.rollouts.runner import (
+    ProxyClient,
+    RolloutResult,
+    RolloutStages,
+    open_rollout,
+)
+from rollstream.producers.rollouts.sandbox import SandboxLabels, SandboxProvider
+from rollstream.producers.rollouts.settings import RolloutSettings
+from rollstream.producers.rollouts.stages import (
+    STAGES,
+    AgentSummary,
+    Endpoint,
+    JobRecord,
+    OffsetBook,
+    StageMessage,
+    StageName,
+    judge,
+    next_stage,
+    retry,
+)
+from rollstream.schemas.dlq import CODE_INVALID, CODE_UNDECODABLE, dlq_headers
+
+__all__ = ["Service", "StageWorker", "run_workers", "stages_of"]
+
+log = logging.getLogger("rollstream.producers.rollouts.workers")
+
+POLL_S: Final = 0.2
+RETRY_S: Final = 2.0  # between tries of a message whose proxy call got no answer
+SEND_TIMEOUT_S: Final = 60.0
+
+
+def stages_of(text: str) -> list[StageName]:
+    """``all`` or a comma list of stage names, in pipeline order."""
+    names = (
+        {"init", "run", "eval"} if text.strip() == "all" else {s.strip() for s in text.split(",")}
+    )
+    unknown = names - set(STAGES)
+    if unknown or not names:
+        raise ValueError(f"stages: {sorted(unknown) or text!r} (known: init, run, eval, all)")
+    return [s for s in STAGES if s in names]
+
+
+def group_name(settings: RolloutSettings, stage: str) -> str:
+    prefix = f"{settings.namespace}." if settings.namespace else ""
+    return f"{prefix}rollstream.rollouts.{stage}"
+
+
+class Service:
+    """What the stage workers of one process share: the proxy client, the sandbox providers,
+    the claims, the producer, the cancelled jobs and the rollouts running here."""
+
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        stop: threading.Event,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.environ = dict(os.environ if environ is None else environ)  # command agents' env
+        self.stop = stop
+        self.topics = settings.topics()
+        self.me = holder_id()
+        self.worker_id = settings.rollouts_worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.proxy = ProxyClient(settings.rollouts_proxy_url, settings.rollouts_admin_key)
+        self.claims = ClaimStore(settings.home / "claims")
+        self.producer = Producer(
+            {**settings.kafka_config(), "acks": "all", "enable.idempotence": True, "linger.ms": 5}
+        )
+        self.cancelled: set[str] = set()
+        self._providers: dict[str, SandboxProvider] = {}
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.producer.flush(10)
+        self.proxy.close()
+        for provider in self._providers.values():
+            provider.close()
+
+    # --- shared parts ---
+
+    def provider(self, msg: StageMessage) -> SandboxProvider:
+        kind = msg.job.sandbox.kind
+        with self._lock:
+            if kind not in self._providers:
+                self._providers[kind] = provider_for(msg.job, self.settings)
+            return self._providers[kind]
+
+    @contextlib.contextmanager
+    def running(self, rollout_id: str) -> Iterator[bool]:
+        """True when this process was not running ``rollout_id`` already (then it is, inside)."""
+        with self._lock:
+            fresh = rollout_id not in self._running
+            self._running.add(rollout_id)
+        try:
+            yield fresh
+        finally:
+            if fresh:
+                with self._lock:
+                    self._running.discard(rollout_id)
+
+    def send(self, msg: StageMessage) -> None:
+        """Queue ``msg`` on its stage's topic and wait for the broker's acknowledgement."""
+        self._produce(self.topics.task(msg.stage), msg.rollout_id, msg.encode())
+
+    def _produce(self, topic: str, key: str, value: bytes, headers: Any = None) -> None:
+        done = threading.Event()
+        failure: list[KafkaError] = []
+
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                failure.append(err)
+            done.set()
+
+        self.producer.produce(topic, key=key, value=value, headers=headers, on_delivery=delivered)
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while not done.is_set():
+            self.producer.poll(0.05)
+            if time.monotonic() > deadline:
+                raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT))
+        if failure:
+            raise KafkaException(failure[0])
+
+    def dead_letter(self, raw: Message, reason: str, stage: str, code: str) -> None:
+        headers = dlq_headers(
+            reason=reason[:1000],
+            code=code,
+            topic=raw.topic() or "",
+            partition=raw.partition() or 0,
+            offset=raw.offset() or 0,
+            stage=f"rollouts-{stage}",
+            processor=self.worker_id,
+        )
+        self._produce(
+            self.topics.dlq,
+            (raw.key() or b"").decode(errors="replace"),
+            raw.value() or b"",
+            headers,
+        )
+
+    # --- one message ---
+
+    def handle(self, msg: StageMessage) -> None:
+        """Do ``msg``'s stage (module docstring). Raises only RolloutCallError without an
+        answer (try again later) and what the broker refuses."""
+        with self.running(msg.rollout_id) as fresh:
+            if not fresh:
+                return  # this process runs it: a duplicate after a rebalance
+            if msg.job.id in self.cancelled:
+                self._cancel(msg)
+            elif msg.stage == "init":
+                self._init(msg)
+            else:
+                self._later(msg)
+
+    def _stages(self, msg: StageMessage, endpoint: Any) -> RolloutStages:
+        job = msg.job
+        agent = build_agent(job.agent, environ=self.environ)
+        evaluator = build_evaluator(job.evaluator)
+        return RolloutStages(
+            msg.plan, job, msg.task, endpoint, self.provider(msg), agent, evaluator,
+            self.worker_id, log, self.proxy,
+        )  # fmt: skip
+
+    def _init(self, msg: StageMessage) -> None:
+        job = msg.job
+        try:
+            endpoint = open_rollout(
+                self.proxy,
+                msg.plan,
+                job,
+                build_agent(job.agent, environ=self.environ),
+                build_evaluator(job.evaluator),
+            )
+        except RolloutExists:
+            self._redelivered(msg)
+            return
+        stages = self._stages(msg, endpoint)
+        try:
+            failed = stages.init_stage()
+            if failed is not None:
+                stages.destroy()
+                self._conclude(stages, failed, msg)
+                return
+            assert stages.sandbox is not None
+            following = next_stage(
+                msg,
+                now=time.time(),
+                sandbox_id=stages.sandbox.id,
+                endpoint=Endpoint(
+                    base_url=endpoint.base_url,
+                    token=endpoint.token,
+                    api_url=endpoint.api_url,
+                    policy_version=endpoint.policy_version,
+                ),
+                durations={"init": stages.durations.get("init", 0.0)},
+            )
+            self._hand_on(msg, stages.sandbox.id, following)
+        except BaseException as exc:
+            stages.fail(exc)
+            self.claims.remove(msg.rollout_id)
+            raise
+
+    def _later(self, msg: StageMessage) -> None:
+        """RUN or EVAL: take the sandbox from its claim, or settle what the claim says."""
+        assert msg.sandbox_id is not None and msg.endpoint is not None
+        with self.claims.locked(msg.rollout_id):
+            found = self.claims.read(msg.rollout_id)
+            verdict = judge(found.claim() if found else None, msg.stage, me=self.me)
+            if verdict == "take":
+                self.claims.write(
+                    ClaimFile(
+                        msg.rollout_id, msg.sandbox_id, msg.job.sandbox.kind, msg.stage,
+                        self.me, False, msg.encode(),
+                    )
+                )  # fmt: skip
+        if verdict != "take":
+            self._settle(msg, verdict, found)
+            return
+        spec = msg.job.sandbox.to_spec(SandboxLabels(job_id=msg.job.id, rollout_id=msg.rollout_id))
+        try:
+            sandbox = self.provider(msg).attach(msg.sandbox_id, spec)
+        except SandboxError as exc:
+            log.warning("rollout %s: %s", msg.rollout_id, exc)
+            self._settle(msg, "gone", found)
+            return
+        e = msg.endpoint
+        stages = self._stages(msg, _endpoint(msg.rollout_id, e))
+        stages.sandbox, stages.sandbox_id = sandbox, sandbox.id
+        stages.durations.update(msg.durations)
+        try:
+            if msg.stage == "run":
+                outcome = stages.run_stage()
+                if isinstance(outcome, RolloutResult):
+                    stages.destroy()
+                    self._conclude(stages, outcome, msg)
+                    return
+                summary = AgentSummary(
+                    status=outcome.status,
+                    stop=outcome.stop[:200],
+                    reason=outcome.reason[:2000],
+                    turns=outcome.turns,
+                )
+                durations = {**msg.durations, "run": stages.durations.get("run", 0.0)}
+                following = next_stage(msg, now=time.time(), agent=summary, durations=durations)
+                self._hand_on(msg, sandbox.id, following)
+            else:
+                a = msg.agent
+                assert a is not None
+                result = stages.eval_stage(AgentOutcome(a.status, a.stop, a.reason, a.turns))
+                stages.destroy()
+                self._conclude(stages, result, msg)
+        except BaseException as exc:
+            stages.fail(exc)
+            self.claims.remove(msg.rollout_id)
+            raise
+
+    def _hand_on(self, msg: StageMessage, sandbox_id: str, following: StageMessage) -> None:
+        """Release the claim with the next message in it, then send that message."""
+        with self.claims.locked(msg.rollout_id):
+            self.claims.write(
+                ClaimFile(
+                    msg.rollout_id, sandbox_id, msg.job.sandbox.kind, msg.stage, "", True,
+                    following.encode(),
+                )
+            )  # fmt: skip
+        self.send(following)
+
+    def _conclude(self, stages: RolloutStages, result: RolloutResult, msg: StageMessage) -> None:
+        """Rewards and finish; a sandbox that could not start is tried again (a new attempt)."""
+        stages.conclude(result)
+        self.claims.remove(msg.rollout_id)
+        if result.stage == "init" and result.status == "failed":
+            self._retry(msg)
+
+    def _settle(self, msg: StageMessage, verdict: str, found: ClaimFile | None) -> None:
+        if verdict in ("busy", "skip"):
+            log.info("rollout %s: %s message skipped (%s)", msg.rollout_id, msg.stage, verdict)
+        elif verdict == "resend" and found is not None:
+            self.send(StageMessage.decode(found.message))
+        else:  # dead, gone (and an init leftover of this process)
+            where = found.stage if found else msg.stage
+            why = "the worker holding it stopped" if verdict == "dead" else "its sandbox is gone"
+            self.abandon(msg, found, f"{where}: {why}")
+
+    def _redelivered(self, msg: StageMessage) -> None:
+        """An INIT message whose rollout is open already."""
+        with self.claims.locked(msg.rollout_id):
+            found = self.claims.read(msg.rollout_id)
+        verdict = judge(found.claim() if found else None, "init", me=self.me)
+        self._settle(msg, "dead" if verdict == "take" else verdict, found)
+
+    def abandon(self, msg: StageMessage, found: ClaimFile | None, reason: str) -> None:
+        """Destroy the rollout's sandbox, finish it ``aborted`` and queue its next attempt
+        (when this call finished it: a rollout that ended before is left as it ended)."""
+        sandbox_id = found.sandbox_id if found else msg.sandbox_id
+        if sandbox_id:
+            self.destroy(msg, sandbox_id)
+        try:
+            finished = self.proxy.finish(msg.rollout_id, "aborted", reason)
+        except RolloutCallError as exc:
+            if exc.status is None:
+                raise  # no answer: the message is tried again
+            log.warning("rollout %s: not aborted: %s", msg.rollout_id, exc)
+            finished = False
+        self.claims.remove(msg.rollout_id)
+        if finished:
+            log.warning("rollout %s aborted (%s)", msg.rollout_id, reason)
+            self._retry(msg)
+
+    def destroy(self, msg: StageMessage, sandbox_id: str) -> None:
+        provider = self.provider(msg)
+        if provider.kind in ("bwrap", "local"):
+            kill_marked_processes(sandbox_id)
+        try:
+            provider.remove(sandbox_id)
+        except SandboxError:
+            log.warning("sandbox %s could not be removed", sandbox_id, exc_info=True)
+
+    def _retry(self, msg: StageMessage) -> None:
+        following = retry(msg, now=time.time())
+        if following is None:
+            log.warning("rollout %s: the job's attempts are used up", msg.rollout_id)
+            return
+        log.info("rollout %s: retried as %s", msg.rollout_id, following.rollout_id)
+        self.send(following)
+
+    def _cancel(self, msg: StageMessage) -> None:
+        if msg.stage == "init":
+            log.info("rollout %s: job %s is cancelled: not started", msg.rollout_id, msg.job.id)
+            return
+        with self.claims.locked(msg.rollout_id):
+            found = self.claims.read(msg.rollout_id)
+        verdict = judge(found.claim() if found else None, msg.stage, me=self.me)
+        if verdict in ("busy", "skip"):
+            return
+        if msg.sandbox_id:
+            self.destroy(msg, msg.sandbox_id)
+        with contextlib.suppress(RolloutCallError):
+            self.proxy.finish(msg.rollout_id, "aborted", f"{msg.stage}: the job was cancelled")
+        self.claims.remove(msg.rollout_id)
+
+    # --- the sweep ---
+
+    def sweep(self) -> list[str]:
+        """Settle claims whose holder died; destroy unclaimed sandboxes of dead workers.
+        Returns the rollout ids abandoned."""
+        abandoned = []
+        for rid in self.claims.rollout_ids():
+            with self.running(rid) as fresh:
+                if not fresh:
+                    continue
+                with self.claims.locked(rid):
+                    found = self.claims.read(rid)
+                if found is None or found.released or not found.holder:
+                    continue
+                claim = found.claim()
+                if claim.alive or found.holder == self.me:
+                    continue
+                try:
+                    msg = StageMessage.decode(found.message)
+                except ValueError:
+                    self.claims.remove(rid)
+                    continue
+                self.abandon(msg, found, f"{found.stage}: the worker holding it stopped")
+                abandoned.append(rid)
+        claimed = self.claims.sandbox_ids()
+        with self._lock:
+            providers = list(self._providers.values())
+        for provider in providers:
+            for record in provider.records():
+                if record.id not in claimed and record.reap_reason() is not None:
+                    if provider.kind in ("bwrap", "local"):
+                        kill_marked_processes(record.id)
+                    with contextlib.suppress(SandboxError):
+                        provider.remove(record.id)
+        return abandoned
+
+
+def _endpoint(rollout_id: str, e: Endpoint) -> Any:
+    from rollstream.producers.rollouts.agents import RolloutEndpoint
+
+    return RolloutEndpoint(rollout_id, e.base_url, e.token, e.api_url, e.policy_version)
+
+
+class StageWorker(threading.Thread):
+    """One stage's consumer: takes messages while it has room, runs them on a thread pool,
+    commits each partition's offsets in order as their work is durable."""
+
+    def __init__(self, service: Service, stage: StageName, concurrency: int) -> None:
+        super().__init__(name=f"rollouts-{stage}", daemon=True)
+        self.service, self.stage, self.concurrency = service, stage, concurrency
+        self.topic = service.topics.task(stage)
+        self.book = OffsetBook()
+        self.finished: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.paused = False
+        self.error: BaseException | None = None
+        settings = service.settings
+        self.consumer = Consumer(
+            {
+                **settings.kafka_config(),
+                "group.id": group_name(settings, stage),
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "max.poll.interval.ms": 600_000,  # polled while full (paused), never idle long
+                "session.timeout.ms": 10_000,  # a killed worker's partitions move on soon
+                "partition.assignment.strategy": "cooperative-sticky",
+            }
+        )
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("the %s worker stopped", self.stage)
+            self.service.stop.set()
+
+    def _loop(self) -> None:
+        stop = self.service.stop
+        self.consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked)
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"{self.stage}-")
+        try:
+            while not stop.is_set():
+                self._commit_finished()
+                full = self.book.count() >= self.concurrency
+                if full != self.paused:
+                    self._pause(full)
+                raw = self.consumer.poll(POLL_S)
+                if raw is None:
+                    continue
+                error = raw.error()
+                if error is not None:
+                    if error.code() != KafkaError._PARTITION_EOF:
+                        log.warning("%s: %s", self.topic, error)
+                    continue
+                partition, offset = raw.partition() or 0, raw.offset() or 0
+                self.book.take(partition, offset)
+                pool.submit(self._work, raw, partition, offset)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            with contextlib.suppress(KafkaException, RuntimeError):
+                self._commit_finished()
+                self.consumer.close()
+
+    def _pause(self, pause: bool) -> None:
+        """Pause the assignment while full; on resume, seek each partition to the message after
+        the last one taken (pausing drops what was fetched ahead, and the fetcher would go on
+        after it)."""
+        assignment = self.consumer.assignment()
+        if pause:
+            self.consumer.pause(assignment)
+        else:
+            self.consumer.resume(assignment)
+            for tp in self.consumer.position(assignment):
+                if tp.offset >= 0:
+                    self.consumer.seek(tp)
+        self.paused = pause
+
+    def _work(self, raw: Message, partition: int, offset: int) -> None:
+        service = self.service
+        try:
+            msg = StageMessage.decode(raw.value() or b"")
+        except ValueError as exc:
+            log.warning("%s[%d]@%d: dead-lettered: %s", self.topic, partition, offset, exc)
+            service.dead_letter(raw, str(exc), self.stage, CODE_UNDECODABLE)
+            self.finished.put((partition, offset))
+            return
+        while not service.stop.is_set():
+            try:
+                service.handle(msg)
+                break
+            except RolloutCallError as exc:
+                if exc.status is not None:
+                    log.error("rollout %s: the proxy refused: %s", msg.rollout_id, exc)
+                    break  # the rollout is finished as far as the proxy lets it be
+                log.warning("rollout %s: %s; trying again", msg.rollout_id, exc)
+                service.stop.wait(RETRY_S)
+            except Exception as exc:  # a job its worker cannot run (an agent that cannot be
+                # built), or a bug: the rollout, if open, was finished failed by the stage;
+                # the message goes to the dead letters with the reason, never dropped
+                log.exception("rollout %s: %s stage failed", msg.rollout_id, self.stage)
+                service.dead_letter(raw, f"{type(exc).__name__}: {exc}", self.stage, CODE_INVALID)
+                break
+        else:
+            return  # stopping: the offset stays uncommitted, the message comes back
+        self.finished.put((partition, offset))
+
+    def _commit_finished(self) -> None:
+        commits: dict[int, int] = {}
+        while True:
+            try:
+                partition, offset = self.finished.get_nowait()
+            except queue.Empty:
+                break
+            upto = self.book.done(partition, offset)
+            if upto is not None:
+                commits[partition] = upto
+        if commits:
+            offsets = [TopicPartition(self.topic, p, o) for p, o in commits.items()]
+            try:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:  # revoked meanwhile: its new owner goes on
+                log.info("%s: commit refused: %s", self.topic, exc)
+
+    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self.paused:
+            consumer.pause(partitions)
+
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._commit_finished()
+        self.book.revoke(p.partition for p in partitions)
+
+
+class _JobWatcher(threading.Thread):
+    """Keeps ``service.cancelled`` up to date from ``rollout.jobs`` (read from the start)."""
+
+    def __init__(self, service: Service) -> None:
+        super().__init__(name="rollouts-jobs", daemon=True)
+        self.service = service
+        s = service.settings
+        self.consumer = Consumer(
+            {
+                **s.kafka_config(),
+                "group.id": f"rollstream-rollouts-jobs-{os.getpid()}",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+            }
+        )
+
+    def run(self) -> None:
+        self.consumer.subscribe([self.service.topics.jobs])
+        try:
+            while not self.service.stop.is_set():
+                raw = self.consumer.poll(POLL_S)
+                if raw is None or raw.error() is not None:
+                    continue
+                with contextlib.suppress(ValueError):
+                    record = JobRecord.decode(raw.value() or b"")
+                    if record.type == "cancelled":
+                        self.service.cancelled.add(record.job_id)
+        finally:
+            self.consumer.close()
+
+
+def run_workers(
+    settings: RolloutSettings,
+    *,
+    stop: threading.Event | None = None,
+    on_ready: Callable[[], None] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run the stage workers ``settings.rollouts_stages`` names until SIGTERM / SIGINT (or
+    ``stop``); 0 on a clean stop, 1 when a worker failed."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    service = Service(settings, stop, environ)
+    stages = stages_of(settings.rollouts_stages)
+    try:
+        service.sweep()
+        watcher = _JobWatcher(service)
+        watcher.start()
+        workers = [StageWorker(service, s, settings.rollouts_concurrency) for s in stages]
+        for w in workers:
+            w.start()
+        log.info(
+            "workers for %s up (%d at once each)", ",".join(stages), settings.rollouts_concurrency
+        )
+        if on_ready is not None:
+            on_ready()
+        while not stop.wait(settings.rollouts_sweep_s):
+            try:
+                service.sweep()
+            except (RolloutCallError, KafkaException, OSError) as exc:
+                log.warning("sweep: %s", exc)
+        for w in workers:
+            w.join(timeout=30)
+        return 1 if any(w.error for w in workers) else 0
+    finally:
+        stop.set()
+        service.close()
