@@ -2,8 +2,9 @@
 EVAL), ``rollouts_concurrency`` at a time, each retried as a new attempt (its own rollout id,
 recorded as such) while its sandbox could not start and attempts are left.
 
-This is ``rollstream run-job JOB.yaml``: the same functions the Kafka stage workers will call,
-without the stage queues, so a job runs on one machine with nothing but the proxy and Kafka.
+This is ``rollstream run-job JOB.yaml``: the same functions the Kafka stage workers call
+(workers.py), without the stage queues, so a job runs on one machine with nothing but the proxy
+and Kafka.
 """
 
 from __future__ import annotations
