@@ -22,7 +22,8 @@ order, each consuming what the one before produced:
     2 render     chat.render_turn                 messages normalized and rendered into token ids
                                                   with each earlier reply's generated ids spliced
                                                   in (drift counted); new tool results found
-    3 budget     Proxy._budget                    prompt and max_tokens against the context (413)
+    3 budget     Proxy._budget                    prompt and max_tokens against the context (400
+                                                  context_length_exceeded)
     4 generate   Proxy._generate -> BackendPool   sticky backend, failover; 429 while paused;
                                                   a failure is recorded as a RolloutError (502/503)
     5 read       chat.read_reply                  completion decoded, tool calls parsed, reply
@@ -125,6 +126,12 @@ class Endpoint:
     path: str
     method: str
     handler: Handler
+
+
+def context_exceeded(message: str, param: str) -> ApiError:
+    """A context overflow as OpenAI answers it: 400, ``invalid_request_error``, code
+    ``context_length_exceeded``."""
+    return ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 class Proxy:
@@ -297,23 +304,35 @@ class Proxy:
         )
 
     def _budget(self, prompt_len: int, requested: int | None, default: int) -> int:
-        """Step 3: the max_tokens to ask for; 413 when the prompt or the request does not fit."""
+        """Step 3: the max_tokens to ask for. A prompt or request that does not fit is a 400
+        ``context_length_exceeded`` worded as OpenAI and vLLM word it, so client libraries
+        classify it as a context overflow (and do not retry it)."""
         if self.max_prompt and prompt_len > self.max_prompt:
-            msg = f"the prompt has {prompt_len} tokens; the limit is {self.max_prompt}"
-            raise ApiError(413, msg, param="messages", code="too_many_tokens")
+            msg = (
+                f"This model's maximum prompt length is {self.max_prompt} tokens. However, "
+                f"your messages resulted in {prompt_len} tokens. Please reduce the length of "
+                "the messages."
+            )
+            raise context_exceeded(msg, "messages")
         room = self.max_model_len - prompt_len if self.max_model_len else None
         if requested is None:
             budget = default if room is None else min(default, room)
             if budget < 1:
-                msg = f"the prompt ({prompt_len} tokens) fills the context ({self.max_model_len})"
-                raise ApiError(413, msg, param="messages", code="too_many_tokens")
+                msg = (
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your messages resulted in {prompt_len} tokens. Please reduce "
+                    "the length of the messages."
+                )
+                raise context_exceeded(msg, "messages")
             return budget
         if room is not None and requested > room:
             msg = (
-                f"{prompt_len} prompt tokens + max_tokens {requested} exceed the model's "
-                f"context of {self.max_model_len} tokens"
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + requested} tokens ({prompt_len} in "
+                f"the messages, {requested} in the completion). Please reduce the length of "
+                "the messages or completion."
             )
-            raise ApiError(413, msg, param="max_tokens", code="too_many_tokens")
+            raise context_exceeded(msg, "max_tokens")
         return requested
 
     async def _generate(
@@ -327,7 +346,7 @@ class Proxy:
         tool_results: list[ToolResult],
     ) -> Completion:
         """Step 4: the completion from the pool. A failure after the call was accepted is
-        recorded (with the request's tool results first) and answered 502/503/400/413; a
+        recorded (with the request's tool results first) and answered 502/503/400; a
         paused pool is a 429 with Retry-After, not recorded (the harness retries)."""
         try:
             return await self.pool.complete(
@@ -348,9 +367,10 @@ class Proxy:
                 503, str(exc), code="backend_unavailable", headers={"Retry-After": retry}
             ) from exc
         except BackendRejected as exc:
-            status = 413 if exc.status == 413 else 400
-            self._failed(ro, call_id, tool_results, str(exc), status, exc.backend)
-            raise ApiError(status, str(exc), code="backend_rejected") from exc
+            self._failed(ro, call_id, tool_results, str(exc), 400, exc.backend)
+            if exc.status == 413:  # the backend's own context check
+                raise context_exceeded(str(exc), "messages") from exc
+            raise ApiError(400, str(exc), code="backend_rejected") from exc
         except BackendError as exc:
             self._failed(ro, call_id, tool_results, str(exc), 502, exc.backend)
             raise ApiError(502, str(exc), code="backend_error") from exc

@@ -670,7 +670,16 @@ def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model
             assert post(chat_a, json=big, headers=auth)[0] == 413
             long = {"messages": [{"role": "user", "content": "word " * 300}]}
             status, body = post(chat_a, json=long, headers=auth)
-            assert status == 413 and body["error"]["code"] == "too_many_tokens"
+            assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+            assert body["error"]["type"] == "invalid_request_error"
+            # the official client raises its BadRequestError, and does not retry it
+            client = openai.OpenAI(base_url=a["base_url"], api_key=a["token"], max_retries=3)
+            t0 = time.monotonic()
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="policy", messages=long["messages"])
+            assert err.value.code == "context_length_exceeded"
+            assert "maximum prompt length is 200 tokens" in err.value.message
+            assert time.monotonic() - t0 < 2.0  # no backoff: not retried
             assert post(f"{url}/rollouts/nope/v1/chat/completions", json=ok,
                         headers={"Authorization": f"Bearer {ADMIN}"})[0] == 404  # fmt: skip
             assert post(f"{url}/v1/rollouts", json={"task_id": "x"})[0] == 401
