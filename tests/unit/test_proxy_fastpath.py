@@ -120,7 +120,7 @@ def test_raw_asgi_routes_answer_like_the_starlette_routes(chat: ChatTemplate) ->
             (chat_a, {"json": {"messages": [{"role": "user", "content": "x" * 3000}]},
                       "headers": auth}, 413),
             (chat_a, {"json": {"messages": [{"role": "user", "content": "word " * 300}]},
-                      "headers": auth}, 413),
+                      "headers": auth}, 400),  # context_length_exceeded
             ("/rollouts/nope/v1/chat/completions", {"json": ok, "headers": admin}, 404),
             (f"/rollouts/{a['rollout_id']}/v1/completions",
              {"json": {"prompt": [1, 99999]}, "headers": auth}, 400),
