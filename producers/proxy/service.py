@@ -309,9 +309,9 @@ class Proxy:
         classify it as a context overflow (and do not retry it)."""
         if self.max_prompt and prompt_len > self.max_prompt:
             msg = (
-                f"This model's maximum prompt length is {self.max_prompt} tokens. However, "
-                f"your messages resulted in {prompt_len} tokens. Please reduce the length of "
-                "the messages."
+                f"This model's maximum context length is {self.max_prompt} tokens for the "
+                f"prompt (the proxy's limit). However, your messages resulted in {prompt_len} "
+                "tokens. Please reduce the length of the messages."
             )
             raise context_exceeded(msg, "messages")
         room = self.max_model_len - prompt_len if self.max_model_len else None

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from _rollout_stack import events_of, rollout_stack
@@ -314,3 +315,42 @@ def test_the_example_keeps_the_harness_commands_off_the_host(
     assert out["outside"]["returncode"] != 0 and "host file" not in out["outside"]["output"]
     assert out["env"]["output"].strip() == "key=none"
     assert out["net"]["returncode"] != 0 and "connected" not in out["net"]["output"]
+
+
+def test_litellm_in_the_harness_classifies_the_proxys_context_overflow(
+    harness_venv: Path, proxy_url: str
+) -> None:
+    """The harness's own litellm (unmodified, from its venv) raises ContextWindowExceededError
+    for a prompt past the model's context, at once: not a generic error it retries."""
+    opened = httpx.post(
+        f"{proxy_url}/v1/rollouts",
+        json={"task_id": "context-overflow"},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30,
+    )
+    assert opened.status_code == 201, opened.text
+    ro = opened.json()
+    script = (
+        "import sys, time, litellm\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    litellm.completion(model='openai/policy', api_base=sys.argv[1], api_key=sys.argv[2],\n"
+        "                       messages=[{'role': 'user', 'content': 'word ' * 5000}],\n"
+        "                       num_retries=3)\n"
+        "except litellm.ContextWindowExceededError as exc:\n"
+        "    print('context-window', round(time.monotonic() - t0, 2))\n"
+        "except Exception as exc:\n"
+        "    print('other', type(exc).__name__, exc)\n"
+    )
+    done = subprocess.run(
+        [str(harness_venv / "bin" / "python"), "-c", script, ro["base_url"], ro["token"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    said = [
+        line.split() for line in done.stdout.splitlines() if line.startswith(("context", "other"))
+    ]
+    assert said and said[-1][0] == "context-window", done.stdout + done.stderr[-2000:]
+    assert float(said[-1][1]) < 10.0  # no backoff

@@ -678,7 +678,7 @@ def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model="policy", messages=long["messages"])
             assert err.value.code == "context_length_exceeded"
-            assert "maximum prompt length is 200 tokens" in err.value.message
+            assert "maximum context length is 200 tokens" in err.value.message
             assert time.monotonic() - t0 < 2.0  # no backoff: not retried
             assert post(f"{url}/rollouts/nope/v1/chat/completions", json=ok,
                         headers={"Authorization": f"Bearer {ADMIN}"})[0] == 404  # fmt: skip
