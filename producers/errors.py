@@ -300,11 +300,12 @@ class EvaluatorError(ProducerError, ValueError):
 
 class RolloutCallError(ProducerError):
     """A call to the proxy's rollout API got no answer, or a refusal; ``status`` is the HTTP
-    status it answered (None: no answer)."""
+    status it answered (None: no answer), ``code`` the error code of its answer ("" if none)."""
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, code: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class RolloutExists(RolloutCallError):

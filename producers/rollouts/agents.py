@@ -7,8 +7,9 @@ a proxy that is gone, the deadline) is an outcome, never an exception: the runne
 be able to evaluate or finish the rollout. Statuses:
 
 - ``ok``: the agent stopped on its own: ``submit``, ``max_turns``, ``no_tool_call`` (a model
-  reply without a tool call), ``context_full`` (the proxy answered 413: prompt and completion
-  no longer fit), or ``exit`` (a harness command exited 0). The runner evaluates the workdir.
+  reply without a tool call), ``context_full`` (the proxy answered 400
+  ``context_length_exceeded``: prompt and completion no longer fit), or ``exit`` (a harness
+  command exited 0). The runner evaluates the workdir.
 - ``timeout``: the deadline passed (``deadline``); the workdir is still evaluated.
 - ``failed``: the run could not go on (the proxy unreachable or refusing, the sandbox gone, a
   harness that exited non-zero); ``reason`` says why, and the rollout is not scored.
@@ -33,6 +34,14 @@ Kinds (``build_agent``):
   a copy of the sandbox workdir, copied back into the sandbox after it exits (changed and new
   regular files; files it deleted are deleted; symlinks are not followed). It carries the
   sandbox's ``ROLLSTREAM_SANDBOX_ID``, so the reaper kills a harness a dead worker left behind.
+- ``PythonAgent`` (``python``): ``module:function`` called in the worker as
+  ``function(ctx, **options)``; it makes its model calls through ``ctx.endpoint`` (e.g. with a
+  ``RolloutClient``), works in ``ctx.sandbox`` and returns an ``AgentOutcome``. Resolved and
+  its options bound to its signature when built, so a wrong name or option fails the job, not
+  every rollout. Trusted code, like a command agent's harness. It runs in a thread the deadline
+  cannot kill: past the deadline the outcome is ``timeout`` (the workdir is still evaluated)
+  and the thread is left to finish on its own. A function that raises, or returns something
+  other than an AgentOutcome, is a ``failed`` outcome naming it.
 
 Errors (producers/errors.py): ``AgentError`` when an agent cannot be built; ``RolloutCallError``
 from ``RolloutClient`` (the built-in agents turn it into a failed outcome).
@@ -41,14 +50,17 @@ from ``RolloutClient`` (the built-in agents turn it into a failed outcome).
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import json
 import logging
 import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
@@ -62,7 +74,12 @@ from rollstream.producers.errors import (
     SandboxFileError,
     SandboxSpecError,
 )
-from rollstream.producers.rollouts.jobs import AgentSpec, CommandAgentSpec, ToolAgentSpec
+from rollstream.producers.rollouts.jobs import (
+    AgentSpec,
+    CommandAgentSpec,
+    PythonAgentSpec,
+    ToolAgentSpec,
+)
 from rollstream.producers.rollouts.local import run_bounded
 from rollstream.producers.rollouts.reaper import MARKER_ENV
 from rollstream.producers.rollouts.sandbox import Sandbox
@@ -75,6 +92,7 @@ __all__ = [
     "AgentOutcome",
     "AgentStatus",
     "CommandAgent",
+    "PythonAgent",
     "RolloutCallError",
     "RolloutClient",
     "RolloutEndpoint",
@@ -241,6 +259,7 @@ class RolloutClient:
             raise RolloutCallError(
                 f"the proxy answered {response.status_code}: {_error_text(response)}",
                 status=response.status_code,
+                code=_error_code(response),
             )
         try:
             data = response.json()
@@ -258,6 +277,13 @@ def _retry_after(response: httpx.Response) -> float:
     except ValueError:
         seconds = 1.0
     return min(max(seconds, 0.0), 30.0) if seconds == seconds else 1.0
+
+
+def _error_code(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["code"] or "")[:100]
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -370,7 +396,7 @@ class ToolAgent:
             try:
                 reply = client.chat(body, deadline=ctx.deadline)
             except RolloutCallError as exc:
-                if exc.status == 413:
+                if exc.code == "context_length_exceeded":
                     return end("ok", "context_full", str(exc))
                 if ctx.remaining() < _MIN_TIMEOUT:
                     return end("timeout", "deadline", f"model call cut by the deadline: {exc}")
@@ -669,6 +695,66 @@ def _sync_in(src: Path, sandbox: Sandbox, before: Mapping[str, str]) -> None:
             raise SandboxFileError(f"deleting {len(gone)} files failed (exit {result.exit_code})")
 
 
+# --------------------------------------------------------------------------- the python agent
+
+
+class PythonAgent:
+    """``module:function`` run in the worker (module docstring)."""
+
+    def __init__(self, spec: PythonAgentSpec) -> None:
+        module_name, _, attr = spec.function.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise AgentError(f"agent.function: cannot import {module_name}: {exc}") from exc
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise AgentError(f"agent.function: {spec.function} is not a callable")
+        try:
+            inspect.signature(fn).bind(None, **spec.options)
+        except TypeError as exc:
+            raise AgentError(f"agent.options: {spec.function} does not take them: {exc}") from exc
+        except ValueError:  # no signature to check (a builtin): the call will tell
+            pass
+        self.spec = spec
+        self._fn: Callable[..., Any] = fn
+
+    @property
+    def name(self) -> str:
+        return f"python:{self.spec.function}"[:128]
+
+    def run(self, ctx: AgentContext) -> AgentOutcome:
+        t0 = time.monotonic()
+        left = ctx.remaining()
+        if left < _MIN_TIMEOUT:
+            return _outcome("timeout", "deadline", "no time left to start the agent", t0)
+        box: dict[str, Any] = {}
+        function = self.spec.function
+
+        def call() -> None:
+            try:
+                box["value"] = self._fn(ctx, **self.spec.options)
+            except BaseException as exc:  # reported as the outcome
+                box["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"agent-{function}"[:64], daemon=True)
+        thread.start()
+        thread.join(left)
+        if thread.is_alive():
+            return _outcome("timeout", "deadline", f"{function} ran past {left:.1f} s", t0)
+        if "error" in box:
+            exc = box["error"]
+            ctx.logger.warning("agent %s raised %r", function, exc, exc_info=exc)
+            return _outcome("failed", "error", clip(f"{function} raised {exc!r}", 2000), t0)
+        value = box.get("value")
+        if not isinstance(value, AgentOutcome):
+            reason = f"{function} returned {type(value).__name__}, not an AgentOutcome"
+            return _outcome("failed", "error", reason, t0)
+        if not value.duration_s:
+            value = replace(value, duration_s=time.monotonic() - t0)
+        return replace(value, output=clip(value.output, MAX_OUTCOME_OUTPUT))
+
+
 # --------------------------------------------------------------------------- factory
 
 
@@ -683,6 +769,8 @@ def build_agent(
     by a command agent only; ``transport`` by tests of the tool agent."""
     if isinstance(spec, ToolAgentSpec):
         return ToolAgent(spec, transport=transport)
+    if isinstance(spec, PythonAgentSpec):
+        return PythonAgent(spec)
     if isinstance(spec, CommandAgentSpec):
         if environ is None:
             raise AgentError("a command agent needs the worker's environment (environ=)")

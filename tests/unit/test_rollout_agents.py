@@ -3,13 +3,15 @@ chat completions with scripted tool calls, and taking tool-call records) and a r
 (the ``local`` kind: the loop's mechanics, not isolation, are under test here): files written
 by write_file appear in the sandbox, bash output goes back to the model, submit ends the loop,
 malformed tool calls are answered as tool errors, max_turns and the deadline end it, proxy
-failures are outcomes. The command agent runs a real harness script beside the sandbox."""
+failures are outcomes. The command agent runs a real harness script beside the sandbox; the
+python agent calls functions of this module with the context and its options."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,12 +24,14 @@ from rollstream.producers.rollouts.agents import (
     TOOLS,
     AgentContext,
     AgentError,
+    AgentOutcome,
     CommandAgent,
+    PythonAgent,
     RolloutEndpoint,
     ToolAgent,
     build_agent,
 )
-from rollstream.producers.rollouts.jobs import CommandAgentSpec, ToolAgentSpec
+from rollstream.producers.rollouts.jobs import CommandAgentSpec, PythonAgentSpec, ToolAgentSpec
 from rollstream.producers.rollouts.local import LocalProvider
 from rollstream.producers.rollouts.sandbox import Sandbox, SandboxLimits, SandboxSpec
 
@@ -53,6 +57,7 @@ class FakeProxy:
         self.chats: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] = []
         self.status: int | None = None  # answer every chat with this status instead
+        self.code = "x"  # and this error code
         self.refusals: list[int] = []  # statuses to answer first (Retry-After: 0), in order
         self.ids = itertools.count()
 
@@ -61,7 +66,7 @@ class FakeProxy:
         body = json.loads(request.content)
         if request.url.path == "/rollouts/r1/v1/chat/completions":
             self.chats.append(body)
-            error = {"message": "scripted failure", "type": "x", "code": "x"}
+            error = {"message": "scripted failure", "type": "x", "code": self.code}
             if self.refusals:
                 status = self.refusals.pop(0)
                 return httpx.Response(status, json={"error": error}, headers={"Retry-After": "0"})
@@ -229,14 +234,19 @@ def test_tool_output_is_bounded(sandbox: Sandbox) -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "outcome_status", "stop"),
-    [(413, "ok", "context_full"), (500, "failed", "error"), (401, "failed", "error")],
+    ("status", "code", "outcome_status", "stop"),
+    [
+        (400, "context_length_exceeded", "ok", "context_full"),
+        (400, "invalid_value", "failed", "error"),
+        (500, "internal", "failed", "error"),
+        (401, "unauthorized", "failed", "error"),
+    ],
 )
 def test_proxy_answers_become_outcomes(
-    sandbox: Sandbox, status: int, outcome_status: str, stop: str
+    sandbox: Sandbox, status: int, code: str, outcome_status: str, stop: str
 ) -> None:
     proxy = FakeProxy([])
-    proxy.status = status
+    proxy.status, proxy.code = status, code
     outcome = tool_agent(proxy).run(context(sandbox))
     assert (outcome.status, outcome.stop, outcome.turns) == (outcome_status, stop, 0)
     assert str(status) in outcome.reason and "scripted failure" in outcome.reason
@@ -340,3 +350,80 @@ def test_build_agent() -> None:
     assert build_agent(spec, environ={}).name == "command:h"
     with pytest.raises(AgentError, match="environ"):
         build_agent(spec)
+
+
+# --------------------------------------------------------------------------- the python agent
+
+RELEASE = threading.Event()  # lets the blocked agent below end once its test has seen it
+
+
+def writes_and_counts(ctx: AgentContext, *, turns: int = 1, word: str = "hi") -> AgentOutcome:
+    ctx.sandbox.copy_in((word * turns).encode(), "out.txt")
+    return AgentOutcome("ok", "done", turns=turns, output=f"{ctx.task_id} {ctx.endpoint.token}")
+
+
+def raises(ctx: AgentContext) -> AgentOutcome:
+    raise RuntimeError("agent bug")
+
+
+def returns_a_number(ctx: AgentContext) -> Any:
+    return 42
+
+
+def blocks(ctx: AgentContext) -> AgentOutcome:
+    RELEASE.wait(30)
+    return AgentOutcome("ok", "late")
+
+
+def python_agent(function: str, **options: Any) -> PythonAgent:
+    agent = build_agent(
+        PythonAgentSpec(kind="python", function=f"{__name__}:{function}", options=options)
+    )
+    assert isinstance(agent, PythonAgent)
+    return agent
+
+
+def test_python_agent_runs_its_function_with_the_context_and_options(sandbox: Sandbox) -> None:
+    agent = python_agent("writes_and_counts", turns=3, word="ab")
+    assert agent.name == f"python:{__name__}:writes_and_counts"
+    outcome = agent.run(context(sandbox))
+    assert (outcome.status, outcome.stop, outcome.turns) == ("ok", "done", 3)
+    assert outcome.output == f"t1 {ENDPOINT.token}" and outcome.duration_s > 0
+    assert sandbox.copy_out("out.txt") == b"ababab"
+
+
+def test_python_agent_failures_are_outcomes(sandbox: Sandbox) -> None:
+    failed = python_agent("raises").run(context(sandbox))
+    assert (failed.status, failed.stop) == ("failed", "error")
+    assert "raises raised RuntimeError('agent bug')" in failed.reason
+    wrong = python_agent("returns_a_number").run(context(sandbox))
+    assert wrong.status == "failed" and "returned int, not an AgentOutcome" in wrong.reason
+
+
+def test_python_agent_past_its_deadline_is_a_timeout(sandbox: Sandbox) -> None:
+    t0 = time.monotonic()
+    try:
+        outcome = python_agent("blocks").run(context(sandbox, seconds=0.3))
+    finally:
+        RELEASE.set()
+    assert (outcome.status, outcome.stop) == ("timeout", "deadline")
+    assert time.monotonic() - t0 < 10
+    late = python_agent("blocks").run(context(sandbox, seconds=0.0))
+    assert late.status == "timeout" and "no time left" in late.reason
+
+
+@pytest.mark.parametrize(
+    ("function", "options", "words"),
+    [
+        ("rollstream_no_such_module:run", {}, "agent.function: cannot import"),
+        (f"{__name__}:no_such_function", {}, "is not a callable"),
+        (f"{__name__}:ENDPOINT", {}, "is not a callable"),
+        (f"{__name__}:raises", {"turns": 2}, "agent.options"),
+        (f"{__name__}:writes_and_counts", {"colour": "red"}, "agent.options"),
+    ],
+)
+def test_a_python_agent_that_cannot_run_is_refused_when_built(
+    function: str, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(AgentError, match=words):
+        build_agent(PythonAgentSpec(kind="python", function=function, options=options))
