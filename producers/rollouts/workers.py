@@ -119,7 +119,7 @@ class Service:
         )
         self.cancelled: set[str] = set()
         self._providers: dict[str, SandboxProvider] = {}
-        self._running: set[str] = set()
+        self._running: set[tuple[str, str]] = set()  # (rollout id, stage) running here
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -138,17 +138,23 @@ class Service:
             return self._providers[kind]
 
     @contextlib.contextmanager
-    def running(self, rollout_id: str) -> Iterator[bool]:
-        """True when this process was not running ``rollout_id`` already (then it is, inside)."""
+    def running(self, rollout_id: str, stage: str = "") -> Iterator[bool]:
+        """True when this process was not running ``stage`` of ``rollout_id`` already (then it
+        is, inside). A stage sends the next stage's message while still inside, so that message
+        is no duplicate; ``stage`` empty (the sweep): when no stage of the rollout runs here
+        (the sweep only reads a claim then; a stage message is never held up by it)."""
+        key = (rollout_id, stage)
         with self._lock:
-            fresh = rollout_id not in self._running
-            self._running.add(rollout_id)
+            here = {s for rid, s in self._running if rid == rollout_id}
+            fresh = stage not in here if stage else not here  # the sweep never blocks a stage
+            if fresh:
+                self._running.add(key)
         try:
             yield fresh
         finally:
             if fresh:
                 with self._lock:
-                    self._running.discard(rollout_id)
+                    self._running.discard(key)
 
     def send(self, msg: StageMessage) -> None:
         """Queue ``msg`` on its stage's topic and wait for the broker's acknowledgement."""
@@ -194,7 +200,7 @@ class Service:
     def handle(self, msg: StageMessage) -> None:
         """Do ``msg``'s stage (module docstring). Raises only RolloutCallError without an
         answer (try again later) and what the broker refuses."""
-        with self.running(msg.rollout_id) as fresh:
+        with self.running(msg.rollout_id, msg.stage) as fresh:
             if not fresh:
                 return  # this process runs it: a duplicate after a rebalance
             if msg.job.id in self.cancelled:
