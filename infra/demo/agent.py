@@ -1,37 +1,67 @@
-"""The demo's built-in agent and task suite: a small multi-turn harness that knows nothing of
-rollstream but its HTTP rollout API and an OpenAI base URL (what a real harness would use).
+"""The demo's agent and task suite, run by the rollout service: a small multi-turn harness that
+knows nothing of rollstream but the rollout's OpenAI endpoint and its sandbox.
 
-Each task asks for numbers. Per turn the agent asks the model (through the recording proxy),
-runs a local tool (``count_digits``) on the answer, shows the tool's result to the model as the
-next user message, and posts a milestone reward: the fraction of the answer's characters that
-are digits. An answer with no digit at all is retried once from the same context (a rewind:
-the proxy records it as a branch of the tree). The final reward is the mean milestone over
-turns, so a group of rollouts has spread and the policy gradient has a direction: a random
-tiny model starts near 0.05 and the trained one climbs. Reward functions are plain callables
-(TRL's list in, list out).
+Each task asks for a number. The task's starting file, ``answers.json``, holds the question;
+the agent (``run_agent``, a ``python`` agent of the job: the RUN stage calls it with the
+rollout's ``AgentContext``) asks the model that question through the recording proxy, runs a
+local tool (``count_digits``) on the answer, records the tool call, shows its result to the
+model as the next user message, and writes every answer into ``answers.json`` in the sandbox.
+An answer with no digit at all is asked again once from the same context (a rewind: the proxy
+records it as a branch of the tree). The evaluator (demo/evaluator.py) scores what the agent
+wrote: a milestone per turn, the fraction of the answer's characters that are digits, and the
+final reward, their mean; so a group of rollouts has spread and the policy gradient has a
+direction: a random tiny model starts near 0.05 and the trained one climbs. Reward functions
+are plain callables (TRL's list in, list out). The task's hidden test (every answer all digits)
+is the same bar as a final reward of 1.0.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-import httpx
+from rollstream.producers.errors import RolloutCallError, SandboxError
+from rollstream.producers.rollouts.agents import (
+    AgentContext,
+    AgentOutcome,
+    AgentStatus,
+    RolloutClient,
+)
+from rollstream.producers.rollouts.tasks import Task
 
 __all__ = [
+    "ANSWERS",
     "AgentResult",
-    "DemoAgent",
     "DemoTask",
     "count_digits",
     "demo_tasks",
     "digit_fraction",
     "digit_rewards",
+    "read_answers",
+    "run_agent",
+    "to_task",
 ]
 
-SYSTEM = "You are a terse calculator. Answer with digits only."
+SYSTEM: Final = "You are a terse calculator. Answer with digits only."
+ANSWERS: Final = "answers.json"  # the starting file: the question; the agent adds its answers
+MAX_ANSWER_CHARS: Final = 4096
+
+HIDDEN_TEST: Final = """import json
+
+
+def test_every_answer_is_digits_only():
+    with open("answers.json", encoding="utf-8") as fh:
+        answers = json.load(fh)["answers"]
+    assert answers, "no answer"
+    for answer in answers:
+        chars = "".join(answer.split())
+        assert chars and all(c in "0123456789" for c in chars), answer
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +77,20 @@ def demo_tasks(n: int = 4, seed: int = 0) -> list[DemoTask]:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         out.append(DemoTask(f"add-{i}", f"What is {a} + {b}? Reply with the number."))
     return out
+
+
+def to_task(task: DemoTask) -> Task:
+    """The rollout service's task of a demo task: the question as the prompt, ``answers.json``
+    (holding the question) as the starting file, a hidden test that checks the answers."""
+    return Task(
+        task_id=task.task_id,
+        title=task.question[:120],
+        difficulty="easy",
+        prompt=task.question,
+        files={ANSWERS: json.dumps({"question": task.question, "answers": []}) + "\n"},
+        hidden_tests={"test_answers.py": HIDDEN_TEST},
+        tags=["demo"],
+    )
 
 
 def digit_fraction(text: str) -> float:
@@ -67,8 +111,23 @@ def count_digits(text: str) -> str:
     return str(sum(c in "0123456789" for c in text))
 
 
+def read_answers(data: bytes) -> tuple[str, list[str]]:
+    """(question, answers) of an ``answers.json``; ValueError when it is not one."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{ANSWERS} is not a JSON object")
+    question, answers = doc.get("question"), doc.get("answers")
+    if not isinstance(question, str) or not question:
+        raise ValueError(f"{ANSWERS}: no question")
+    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"{ANSWERS}: answers is not a list of strings")
+    return question, answers
+
+
 @dataclass
 class AgentResult:
+    """One rollout as the demo's table and plot see it (built from its events)."""
+
     rollout_id: str
     task_id: str
     group_id: str
@@ -80,144 +139,87 @@ class AgentResult:
     error: str | None = None
 
 
-class DemoAgent:
-    """Runs rollouts of ``DemoTask``s through the proxy's rollout API and OpenAI endpoint."""
+def _seed(rollout_id: str) -> int:
+    """A sampling seed per rollout (each sample of a group differs; the same rollout id, the
+    same seed)."""
+    return int(hashlib.sha256(rollout_id.encode()).hexdigest()[:8], 16)
 
-    def __init__(
-        self,
-        proxy_url: str,
-        *,
-        model: str = "rollstream-tiny",
-        turns: int = 2,
-        max_tokens: int = 16,
-        temperature: float = 1.0,
-        admin_key: str | None = None,
-        timeout: float = 120.0,
-    ) -> None:
-        self.proxy_url = proxy_url.rstrip("/")
-        self.model = model
-        self.turns = turns
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self._admin = httpx.Client(base_url=self.proxy_url, headers=headers, timeout=timeout)
-        self._timeout = timeout
 
-    def close(self) -> None:
-        self._admin.close()
+def run_agent(
+    ctx: AgentContext,
+    *,
+    turns: int = 2,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
+    model: str = "rollstream-tiny",
+) -> AgentOutcome:
+    """The RUN stage of one demo rollout (module docstring). A proxy that refuses or does not
+    answer is a ``failed`` outcome; the deadline a ``timeout`` (the answers so far are
+    scored)."""
+    t0 = time.monotonic()
+    try:
+        question, _ = read_answers(ctx.sandbox.copy_out(ANSWERS))
+    except (SandboxError, ValueError) as exc:
+        return AgentOutcome("failed", "error", f"no question: {exc}")
+    seed = _seed(ctx.endpoint.rollout_id)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": question},
+    ]
+    answers: list[str] = []
 
-    def proxy_status(self) -> dict[str, Any]:
-        """The proxy's admin status (served policy version, pool, delivery counters)."""
-        resp = self._admin.get("/v1/admin/status")
-        resp.raise_for_status()
-        data: dict[str, Any] = resp.json()
-        return data
+    def chat(client: RolloutClient, turn_seed: int) -> tuple[str, str | None]:
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": turn_seed,
+        }
+        reply = client.chat(body, deadline=ctx.deadline)
+        text = str(reply["choices"][0]["message"].get("content") or "")[:MAX_ANSWER_CHARS]
+        call_id = (reply.get("rollstream") or {}).get("call_id")
+        return text, call_id if isinstance(call_id, str) else None
 
-    def _chat(self, http: httpx.Client, messages: list[dict[str, Any]], seed: int) -> Any:
-        resp = http.post(
-            "chat/completions",
-            json={
-                "model": self.model,
-                "messages": messages,
-                "max_tokens": self.max_tokens,
-                "temperature": self.temperature,
-                "seed": seed,
-            },
+    def outcome(status: AgentStatus, stop: str, reason: str = "") -> AgentOutcome:
+        return AgentOutcome(
+            status,
+            stop,
+            reason,
+            turns=len(answers),
+            tool_calls=len(answers),
+            duration_s=time.monotonic() - t0,
         )
-        resp.raise_for_status()
-        return resp.json()
 
-    def run(
-        self, task: DemoTask, group_id: str, *, group_size: int, run_id: str, seed: int
-    ) -> AgentResult:
-        created = self._admin.post(
-            "/v1/rollouts",
-            json={
-                "task_id": task.task_id,
-                "group_id": group_id,
-                "group_size": group_size,
-                "run_id": run_id,
-                "harness": "rollstream-demo-agent",
-            },
-        )
-        created.raise_for_status()
-        info = created.json()
-        rid, token = info["rollout_id"], info["token"]
-        result = AgentResult(rid, task.task_id, group_id, 0, 0)
-        auth = {"Authorization": f"Bearer {token}"}
-        base = info["base_url"].rstrip("/") + "/"
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": task.question},
-        ]
-        status, error = "completed", None
-        try:
-            with httpx.Client(base_url=base, headers=auth, timeout=self._timeout) as http:
-                for turn in range(self.turns):
-                    reply = self._chat(http, messages, seed * 100 + turn)
-                    text = reply["choices"][0]["message"].get("content") or ""
-                    if digit_fraction(text) == 0.0:  # retry once from the same context
-                        result.retries += 1
-                        reply = self._chat(http, messages, seed * 100 + turn + 50)
-                        text = reply["choices"][0]["message"].get("content") or ""
-                    ext = reply.get("rollstream", {})
-                    result.policy_versions.append(int(ext.get("policy_version", 0)))
-                    call_id = ext.get("call_id")
-                    t0 = time.perf_counter()
-                    tool_out = count_digits(text)
-                    tool_ms = (time.perf_counter() - t0) * 1000
-                    value = digit_fraction(text)
-                    result.milestones.append(value)
-                    self._post(
-                        rid,
-                        auth,
-                        "tool_calls",
-                        {
-                            "name": "count_digits",
-                            "arguments": {"text": text[:200]},
-                            "result": tool_out,
-                            "duration_ms": tool_ms,
-                            "at_call_id": call_id,
-                        },
-                    )
-                    self._post(
-                        rid,
-                        auth,
-                        "rewards",
-                        {
-                            "value": value,
-                            "kind": "milestone",
-                            "name": f"turn-{turn}",
-                            "at_call_id": call_id,
-                            "evaluator": "digit_fraction",
-                        },
-                    )
-                    messages += [
-                        {"role": "assistant", "content": text},
-                        {
-                            "role": "user",
-                            "content": f"[count_digits] {tool_out}. Again, digits only.",
-                        },
-                    ]
-                    result.turns += 1
-            result.final = sum(result.milestones) / max(len(result.milestones), 1)
-            self._post(
-                rid,
-                auth,
-                "rewards",
-                {
-                    "value": result.final,
-                    "kind": "final",
-                    "name": "mean-digit-fraction",
-                    "evaluator": "digit_fraction",
-                },
-            )
-        except Exception as exc:  # the rollout fails; the run goes on
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
-            result.error = error
-        self._post(rid, auth, "finish", {"status": status, "error": error})
-        return result
-
-    def _post(self, rid: str, auth: dict[str, str], what: str, body: dict[str, Any]) -> None:
-        resp = self._admin.post(f"/v1/rollouts/{rid}/{what}", json=body, headers=auth)
-        resp.raise_for_status()
+    with RolloutClient(ctx.endpoint) as client:
+        for turn in range(turns):
+            if ctx.remaining() <= 0:
+                return outcome("timeout", "deadline", f"the deadline passed after {turn} turns")
+            try:
+                text, call_id = chat(client, seed * 100 + turn)
+                if digit_fraction(text) == 0.0:  # asked again once from the same context
+                    text, call_id = chat(client, seed * 100 + turn + 50)
+                t = time.perf_counter()
+                tool_out = count_digits(text)
+                client.tool_call(
+                    name="count_digits",
+                    arguments=json.dumps({"text": text[:200]}),
+                    result=tool_out,
+                    is_error=False,
+                    duration_ms=(time.perf_counter() - t) * 1000,
+                    sandbox=ctx.sandbox.id,
+                    at_call_id=call_id,
+                    tool_call_id=None,
+                )
+                answers.append(text)
+                doc = {"question": question, "answers": answers}
+                ctx.sandbox.copy_in(json.dumps(doc).encode(), ANSWERS)
+            except (RolloutCallError, SandboxError, KeyError, IndexError, TypeError) as exc:
+                if ctx.remaining() <= 0:
+                    return outcome("timeout", "deadline", f"cut by the deadline: {exc}")
+                return outcome("failed", "error", f"turn {turn}: {type(exc).__name__}: {exc}")
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"[count_digits] {tool_out}. Again, digits only."},
+            ]
+    return outcome("ok", "max_turns")

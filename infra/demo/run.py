@@ -3,11 +3,16 @@
 1. the local Kafka broker (KRaft) and the demo namespace's topics;
 2. the tiny local model (random-init Qwen2, BPE tokenizer trained on a local corpus);
 3. services, each a ``rollstream`` subprocess with a log under ``<home>/logs``: the reference
-   model server, the recording proxy (following ``policy.versions``), the stream processors,
-   the ClickHouse sink (chDB) with its analytics server, and the trainer;
-4. the built-in agent (infra/demo/agent.py) runs groups of rollouts through the proxy's rollout
-   API and OpenAI endpoint, continuously, while the trainer trains on the samples the
-   processors emit (async RL with bounded staleness); the proxy reloads each new policy;
+   model server, the recording proxy (following ``policy.versions``; a random admin key per
+   demo run), the rollout service's stage workers (``rollstream workers --stage all``, with
+   that key), the stream processors, the ClickHouse sink (chDB) with its analytics server, and
+   the trainer;
+4. each round is one job of the rollout service (infra/demo/service.py): a group of rollouts
+   per task, INIT -> RUN (the demo's agent, infra/demo/agent.py) -> EVAL (its evaluator,
+   infra/demo/evaluator.py) in ``local`` sandboxes; the demo submits the job to the job queue
+   and reads the rollouts' events back (LlmCalls, rewards, RolloutFinished) while the trainer
+   trains on the samples the processors emit (async RL with bounded staleness); the proxy
+   reloads each new policy;
 5. the reward per policy version, as a table and a PNG plot, once ``demo_steps`` policy
    versions exist or ``demo_max_minutes`` pass.
 """
@@ -15,22 +20,26 @@
 from __future__ import annotations
 
 import json
+import secrets
 import statistics
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from rollstream.infra import stack
-from rollstream.infra.demo.agent import AgentResult, DemoAgent, demo_tasks
+from rollstream.infra.demo.agent import AgentResult, demo_tasks
+from rollstream.infra.demo.service import EventReader, ResultFold, demo_job, job_prefix, wait_round
 from rollstream.infra.kafka import free_port
 from rollstream.infra.logs import log_to_file
 from rollstream.infra.services import Service, Supervisor
+from rollstream.producers.rollouts.jobqueue import submit_job
 
 __all__ = ["DemoSettings", "plot_rewards", "reward_table", "run"]
 
@@ -114,9 +123,12 @@ def plot_rewards(results: list[AgentResult], path: Path) -> Path:
     return path
 
 
-def _wait_for_version(agent: DemoAgent, version: int, deadline: float) -> None:
+def _wait_for_version(admin: httpx.Client, version: int, deadline: float) -> None:
+    """Until the proxy serves ``version`` (its admin status, with the admin key)."""
     while time.monotonic() < deadline:
-        status = agent.proxy_status()
+        resp = admin.get("/v1/admin/status")
+        resp.raise_for_status()
+        status: dict[str, Any] = resp.json()
         if int(status.get("policy_version", 0)) >= version:
             return
         time.sleep(0.2)
@@ -187,7 +199,9 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
         ensure_tiny_model(model_dir, seed=settings.demo_seed)
 
     model_port, proxy_port, analytics_port = free_port(), free_port(), free_port()
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
     run_id = f"{namespace}-run"
+    admin_key = secrets.token_urlsafe(32)  # the proxy's admin key, this demo run only
     env = {
         "ROLLSTREAM_HOME": str(home),
         "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
@@ -201,7 +215,9 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
     sup = Supervisor(home / namespace, env)
     results: list[AgentResult] = []
     try:
-        with console.status("starting services (model server, proxy, processors, sink, trainer)"):
+        with console.status(
+            "starting services (model server, proxy, rollout workers, processors, sink, trainer)"
+        ):
             sup.start(
                 Service(
                     "model-server",
@@ -219,8 +235,22 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                         "--backend",
                         f"http://127.0.0.1:{model_port}",
                     ],
-                    env={"ROLLSTREAM_PROXY_FOLLOW_POLICY": "true"},
-                    health_url=f"http://127.0.0.1:{proxy_port}/health",
+                    env={
+                        "ROLLSTREAM_PROXY_FOLLOW_POLICY": "true",
+                        "ROLLSTREAM_PROXY_API_KEYS": admin_key,
+                    },
+                    health_url=f"{proxy_url}/health",
+                )
+            )
+            sup.start(
+                Service(
+                    "workers",
+                    ["workers", "--stage", "all", "--concurrency", str(settings.demo_workers)],
+                    env={
+                        "ROLLSTREAM_ROLLOUTS_PROXY_URL": proxy_url,
+                        "ROLLSTREAM_ROLLOUTS_ADMIN_KEY": admin_key,
+                        "ROLLSTREAM_ROLLOUTS_SANDBOX_ROOT": str(home / namespace / "sandboxes"),
+                    },
                 )
             )
             sup.start(
@@ -257,50 +287,64 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
             )
         console.print(f"services up ({time.monotonic() - t0:.0f}s); logs in {sup.log_dir}")
 
-        agent = DemoAgent(
-            f"http://127.0.0.1:{proxy_port}",
-            turns=settings.demo_turns,
-            max_tokens=settings.demo_max_tokens,
+        admin = httpx.Client(
+            base_url=proxy_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30
         )
+        reader = EventReader(settings)  # from the events topic's end, before the first job
+        fold = ResultFold()
+        prefix = job_prefix(namespace)
         tasks = demo_tasks(settings.demo_tasks, settings.demo_seed)
+        per_round = len(tasks) * settings.demo_group_size
         deadline = t0 + settings.demo_max_minutes * 60
         loop_t0 = time.monotonic()
         round_no = 0
-        with (
-            ThreadPoolExecutor(settings.demo_workers) as pool,
-            Live(reward_table(results), console=console, refresh_per_second=2) as live,
-        ):
-            while time.monotonic() < deadline and _measured_version(results) < settings.demo_steps:
-                sup.check()
-                futures = [
-                    pool.submit(
-                        agent.run,
-                        task,
-                        f"{run_id}-r{round_no}-{task.task_id}",
+        try:
+            with Live(reward_table(results), console=console, refresh_per_second=2) as live:
+                while (
+                    time.monotonic() < deadline and _measured_version(results) < settings.demo_steps
+                ):
+                    sup.check()
+                    job = demo_job(
+                        prefix,
+                        round_no,
+                        tasks,
                         group_size=settings.demo_group_size,
+                        turns=settings.demo_turns,
+                        max_tokens=settings.demo_max_tokens,
                         run_id=run_id,
-                        seed=round_no * 1000 + ti * 100 + k,
                     )
-                    for ti, task in enumerate(tasks)
-                    for k in range(settings.demo_group_size)
-                ]
-                round_results = [fut.result() for fut in futures]
-                results.extend(round_results)
-                round_no += 1
-                if settings.demo_sync and _latest_version(results) < settings.demo_steps:
-                    # strictly alternating: wait for the policy these rollouts will train
-                    _wait_for_version(agent, _latest_version(round_results) + 1, deadline)
-                failed = sum(r.error is not None for r in results)
-                live.update(
-                    reward_table(
-                        results,
-                        title=f"reward per policy version — round {round_no}, "
-                        f"{len(results)} rollouts ({failed} failed), "
-                        f"{time.monotonic() - t0:.0f}s",
+                    submit_job(settings, job)
+                    # a rollout not finished by then is counted failed; the demo overruns
+                    # demo_max_minutes by 30 s at most
+                    limits = job.timeouts
+                    round_s = limits.init + limits.run + limits.eval + 30.0
+                    round_end = min(time.monotonic() + round_s, deadline + 30.0)
+                    round_results = wait_round(
+                        reader,
+                        fold,
+                        f"{job.id}-",
+                        per_round,
+                        round_end,
+                        sup.check,
                     )
-                )
+                    results.extend(round_results)
+                    round_no += 1
+                    if settings.demo_sync and _latest_version(results) < settings.demo_steps:
+                        # strictly alternating: wait for the policy these rollouts will train
+                        _wait_for_version(admin, _latest_version(round_results) + 1, deadline)
+                    failed = sum(r.error is not None for r in results)
+                    live.update(
+                        reward_table(
+                            results,
+                            title=f"reward per policy version — round {round_no}, "
+                            f"{len(results)} rollouts ({failed} failed), "
+                            f"{time.monotonic() - t0:.0f}s",
+                        )
+                    )
+        finally:
+            reader.close()
+            admin.close()
         loop_s = time.monotonic() - loop_t0
-        agent.close()
         _write_summary(home / namespace / "demo-summary.json", settings, results, loop_s)
         if settings.demo_sink:
             _show_sink_report(settings, f"http://127.0.0.1:{analytics_port}", console)

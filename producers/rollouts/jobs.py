@@ -7,6 +7,8 @@ which sandbox, scored by which evaluator, within which time per stage, with how 
     tasks: {suite: pycoding, limit: 4}   # or {path: tasks.jsonl} or {inline: [task, ...]}
     samples_per_task: 2
     agent: {kind: tool, max_turns: 12, max_tokens: 512, temperature: 1.0}
+                                      # or {kind: command, argv: [...]}
+                                      # or {kind: python, function: "pkg.mod:fn", options: {}}
     sandbox: {kind: bwrap, network: false, limits: {memory: 1073741824, timeout: 60}}
     evaluator: {kind: suite}
     timeouts: {init: 60, run: 600, eval: 120}
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,9 +50,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     StrictBool,
     StringConstraints,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 
@@ -67,6 +72,7 @@ __all__ = [
     "EvaluatorSpec",
     "JobSpec",
     "JobSpecError",
+    "PythonAgentSpec",
     "PythonEvaluatorSpec",
     "RolloutPlan",
     "SandboxConfig",
@@ -91,12 +97,13 @@ MAX_ATTEMPTS: Final = 5
 MAX_ARGV: Final = 256
 MAX_ARG_CHARS: Final = 4096
 MAX_ENV: Final = 64
+MAX_OPTIONS: Final = 32  # keyword arguments of a python agent
 
 ROLLOUT_ID_PATTERN: Final = r"^[A-Za-z0-9_\-]{1,128}$"  # the proxy's (rollout_api.ROLLOUT_ID)
 _JOB_ID = r"^[A-Za-z0-9](?:[A-Za-z0-9_-]{0,38}[A-Za-z0-9])?$"  # <= 40 chars, label-valid
 _DIGEST_HEX = 20
 
-AGENT_KINDS: Final = ("tool", "command")
+AGENT_KINDS: Final = ("tool", "command", "python")
 EVALUATOR_KINDS: Final = ("suite", "command", "python")
 
 # --------------------------------------------------------------------------- bounded values
@@ -110,6 +117,36 @@ Arg = Annotated[
 ]
 Argv = Annotated[list[Arg], Field(min_length=1, max_length=MAX_ARGV)]
 TaskId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+_FUNCTION = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
+Function = Annotated[str, StringConstraints(max_length=256, pattern=_FUNCTION)]
+OptionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+
+
+def _option_value(value: Any) -> bool | int | float | str:
+    """A python agent's option: a boolean, an integer within +-2**53, a finite number or a
+    string (at most MAX_ARG_CHARS characters, no NUL)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if abs(value) > 2**53:
+            raise ValueError("an integer option must be within +-2**53")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("a number option must be finite")
+        return value
+    if isinstance(value, str):
+        if len(value) > MAX_ARG_CHARS or "\x00" in value:
+            raise ValueError(f"a string option has at most {MAX_ARG_CHARS} characters, no NUL")
+        return value
+    raise ValueError(f"an option is a string, a number or a boolean, not {type(value).__name__}")
+
+
+OptionValue = Annotated[
+    bool | int | float | str,
+    PlainValidator(_option_value),
+    WithJsonSchema({"type": ["boolean", "integer", "number", "string"]}),
+]
 
 
 class _Spec(BaseModel):
@@ -185,7 +222,24 @@ class CommandAgentSpec(_Spec):
     max_output: Annotated[int, Field(ge=0, le=16 * 1024 * 1024)] = 1024 * 1024  # per stream
 
 
-AgentSpec = Annotated[ToolAgentSpec | CommandAgentSpec, Field(discriminator="kind")]
+class PythonAgentSpec(_Spec):
+    """A Python callable ``module:function`` run in the worker's RUN stage (agents.PythonAgent):
+    called as ``function(ctx, **options)`` with the rollout's ``AgentContext``, it returns an
+    ``AgentOutcome``. It makes its model calls through ``ctx.endpoint`` (the rollout's base URL
+    and token) and works in ``ctx.sandbox``. Trusted code, like a command agent's harness.
+    ``options``: keyword arguments (JSON scalars), checked against its signature when the
+    agent is built."""
+
+    kind: Literal["python"]
+    function: Function
+    options: Annotated[dict[OptionName, OptionValue], Field(max_length=MAX_OPTIONS)] = Field(
+        default_factory=dict
+    )
+
+
+AgentSpec = Annotated[
+    ToolAgentSpec | CommandAgentSpec | PythonAgentSpec, Field(discriminator="kind")
+]
 
 
 # --------------------------------------------------------------------------- sandbox
@@ -258,14 +312,11 @@ class CommandEvaluatorSpec(_Spec):
     max_output: Annotated[int, Field(ge=256, le=1_000_000)] = 16_384
 
 
-_FUNCTION = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
-
-
 class PythonEvaluatorSpec(_Spec):
     """A Python callable ``module:function`` taking (task, sandbox) and returning a score."""
 
     kind: Literal["python"]
-    function: Annotated[str, StringConstraints(max_length=256, pattern=_FUNCTION)]
+    function: Function
 
 
 EvaluatorSpec = Annotated[

@@ -18,6 +18,7 @@ from rollstream.producers.rollouts.jobs import (
     CommandAgentSpec,
     JobSpec,
     JobSpecError,
+    PythonAgentSpec,
     ToolAgentSpec,
     expand,
     group_id,
@@ -265,3 +266,50 @@ def test_rollout_ids_are_stable_valid_and_differ_per_attempt(
     assert rid != rollout_id(job_id, task_id + "x", sample, attempt)
     assert group_id(job_id, task_id) == group_id(job_id, task_id)
     assert PROXY_ROLLOUT_ID.match(group_id(job_id, task_id))
+
+
+def test_a_python_agent_takes_a_function_and_bounded_options() -> None:
+    options = {"turns": 2, "name": "x", "greedy": True, "temperature": 0.5}
+    spec = job(agent={"kind": "python", "function": "pkg.mod:run", "options": options})
+    assert isinstance(spec.agent, PythonAgentSpec)
+    assert spec.agent.function == "pkg.mod:run" and spec.agent.options == options
+    assert parse_job(spec.model_dump(mode="json")) == spec  # a stage message's round trip
+    assert job(agent={"kind": "python", "function": "m:f"}).agent == PythonAgentSpec(
+        kind="python", function="m:f"
+    )
+
+
+@pytest.mark.parametrize(
+    ("agent", "field", "words"),
+    [
+        ({"kind": "python"}, "agent.function", "required"),
+        ({"kind": "python", "function": "no_colon"}, "agent.function", "pattern"),
+        ({"kind": "python", "function": "m:f" + "x" * 300}, "agent.function", "at most 256"),
+        ({"kind": "python", "function": "m:f", "argv": ["x"]}, "agent.argv", "unknown field"),
+        ({"kind": "python", "function": "m:f", "options": {"1x": 1}}, "agent.options.1x", ""),
+        ({"kind": "python", "function": "m:f", "options": {"x": [1]}}, "agent.options.x", "list"),
+        (
+            {"kind": "python", "function": "m:f", "options": {"x": float("nan")}},
+            "agent.options.x",
+            "finite",
+        ),
+        (
+            {"kind": "python", "function": "m:f", "options": {"x": 2**60}},
+            "agent.options.x",
+            "2**53",
+        ),
+        ({"kind": "python", "function": "m:f", "options": {"x": "a\0"}}, "agent.options.x", "NUL"),
+        (
+            {"kind": "python", "function": "m:f", "options": {f"k{i}": i for i in range(33)}},
+            "agent.options",
+            "at most 32",
+        ),
+    ],
+)
+def test_a_bad_python_agent_is_named_by_its_path(
+    agent: dict[str, Any], field: str, words: str
+) -> None:
+    with pytest.raises(JobSpecError) as info:
+        job(agent=agent)
+    assert info.value.field == field, str(info.value)
+    assert words in info.value.message
