@@ -84,7 +84,13 @@ _BASE: tuple[TopicSpec, ...] = (
     ),
     TopicSpec(POLICY, 1, "-", "new weights: version, checkpoint URI, trainer step"),
     *(
-        TopicSpec(t, 6, "rollout_id", "rollout-service stage queue", retention_ms=_WEEK_MS)
+        TopicSpec(
+            t,
+            24,  # a stage's workers: at most one per partition; 24 splits evenly in 1-4, 6, 8, 12
+            "rollout_id",
+            "rollout-service stage queue",
+            retention_ms=_WEEK_MS,
+        )
         for t in TASKS
     ),
     TopicSpec(JOBS, 1, "job_id", "rollout-service jobs: submitted (the plan), cancelled"),

@@ -450,6 +450,7 @@ class StageWorker(threading.Thread):
         self.topic = service.topics.task(stage)
         self.book = OffsetBook()
         self.finished: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.wake = threading.Event()  # set when a message's work ends
         self.paused = False
         self.error: BaseException | None = None
         settings = service.settings
@@ -461,6 +462,7 @@ class StageWorker(threading.Thread):
                 "auto.offset.reset": "earliest",
                 "max.poll.interval.ms": 600_000,  # polled while full (paused), never idle long
                 "session.timeout.ms": 10_000,  # a killed worker's partitions move on soon
+                "fetch.wait.max.ms": 100,  # a queue: a message waits little for its fetch
                 "partition.assignment.strategy": "cooperative-sticky",
             }
         )
@@ -483,7 +485,10 @@ class StageWorker(threading.Thread):
                 full = self.book.count() >= self.concurrency
                 if full != self.paused:
                     self._pause(full)
-                raw = self.consumer.poll(POLL_S)
+                if full:  # wake as soon as a message's work ends, not at the next poll's end
+                    self.wake.wait(POLL_S)
+                    self.wake.clear()
+                raw = self.consumer.poll(0 if full else POLL_S)
                 if raw is None:
                     continue
                 error = raw.error()
@@ -521,7 +526,7 @@ class StageWorker(threading.Thread):
         except ValueError as exc:
             log.warning("%s[%d]@%d: dead-lettered: %s", self.topic, partition, offset, exc)
             service.dead_letter(raw, str(exc), self.stage, CODE_UNDECODABLE)
-            self.finished.put((partition, offset))
+            self._finished(partition, offset)
             return
         while not service.stop.is_set():
             try:
@@ -541,7 +546,11 @@ class StageWorker(threading.Thread):
                 break
         else:
             return  # stopping: the offset stays uncommitted, the message comes back
+        self._finished(partition, offset)
+
+    def _finished(self, partition: int, offset: int) -> None:
         self.finished.put((partition, offset))
+        self.wake.set()
 
     def _commit_finished(self) -> None:
         commits: dict[int, int] = {}
