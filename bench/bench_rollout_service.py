@@ -46,6 +46,7 @@ workdir copies).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -62,12 +63,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from rollstream.adapters.topics import ensure_topics
-from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.producers.rollouts.jobqueue import submit_job
 from rollstream.producers.rollouts.jobs import JobSpec, parse_job
@@ -84,8 +83,9 @@ from rollstream.schemas import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path[:0] = [str(REPO / "tests" / "integration"), str(REPO / "tests")]
 from _logged_process import LoggedProcess  # noqa: E402
+from _rollout_stack import tokenizer_proxy  # noqa: E402
 
 ADMIN = "admin-key-for-bench-rollout-service"
 STEPS, MEDIAN_S, SIGMA = 5, 0.2, 0.866  # lognormal per step: p99 = 0.2 * e^(2.326 * 0.866) = 1.5
@@ -210,37 +210,6 @@ class EventLog:
 
     def close(self) -> None:
         self.consumer.close()
-
-
-def start_proxy(settings: CommonSettings, tmp: Path) -> tuple[LoggedProcess, str]:
-    model_dir = ensure_tiny_model(REPO / ".rollstream" / "models" / "tiny")  # its tokenizer
-    port = free_port()
-    proxy = LoggedProcess(
-        ["proxy"],
-        settings,
-        tmp,
-        "proxy.log",
-        env={
-            "ROLLSTREAM_PROXY_PORT": str(port),
-            "ROLLSTREAM_PROXY_BACKENDS": f"http://127.0.0.1:{free_port()}",  # never called
-            "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
-            "ROLLSTREAM_PROXY_API_KEYS": ADMIN,
-            "ROLLSTREAM_PROXY_TOKEN_SECRET": "secret-for-the-rollout-service-bench",
-            "ROLLSTREAM_SPOOL_DIR": str(tmp / "spool"),
-            "ROLLSTREAM_PRODUCER": "proxy-bench-rollout-service",
-        },
-    )
-    proxy.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:  # /health is 503 without a backend; the routes answer once it serves
-        if proxy.proc is None or proxy.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the proxy did not come up:\n{proxy.log_tail()}")
-        try:
-            if httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200:
-                return proxy, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
 
 
 def wait_groups(
@@ -476,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         c.partitions = c.partitions if c.name == "run8-p6" else p
     load_start = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-service-"))
-    broker = proxy = events = None
+    broker = events = None
+    stack = contextlib.ExitStack()
     results: dict[str, dict[str, Any]] = {}
     t_all = time.monotonic()
     try:
@@ -490,7 +460,15 @@ def main(argv: list[str] | None = None) -> int:
             kafka_bootstrap=bootstrap, namespace=f"brsproxy{uuid.uuid4().hex[:6]}", home=tmp
         )
         ensure_topics(common)
-        proxy, url = start_proxy(common, tmp)
+        url = stack.enter_context(
+            tokenizer_proxy(
+                common,
+                tmp,
+                admin_key=ADMIN,
+                producer="proxy-bench-rollout-service",
+                model_dir=REPO / ".rollstream" / "models" / "tiny",
+            )
+        )
         events = EventLog(common)
         print(f"broker and proxy up in {time.monotonic() - t_all:.0f} s", file=sys.stderr)
         print(HEADER, file=sys.stderr)
@@ -508,8 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if events is not None:
             events.close()
-        if proxy is not None:
-            proxy.stop()
+        stack.close()
         if broker is not None:
             broker.stop()
         shutil.rmtree(tmp, ignore_errors=True)

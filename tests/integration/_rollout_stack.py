@@ -1,11 +1,13 @@
 """The parts a rollout needs, for integration tests: the reference model server (the tiny model)
 and the recording proxy, each started through the CLI (`rollstream serve-model`,
-`rollstream proxy`) on the session's Kafka broker, and the rollout's events read back from the
-events topic once its RolloutFinished is there."""
+`rollstream proxy`) on the session's Kafka broker (or a proxy alone, with the model's tokenizer
+and no backend), settings with a namespace of their own, and the rollout's events read back from
+the events topic once its RolloutFinished is there."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +16,7 @@ import httpx
 from _kafka_read import read_topic
 from _logged_process import LoggedProcess
 
+from rollstream.adapters.topics import ensure_topics
 from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.infra.kafka import free_port
 from rollstream.schemas import Codec, CommonSettings, Event, RolloutFinished
@@ -80,6 +83,52 @@ def rollout_stack(
     finally:
         proxy.stop()
         model.stop()
+
+
+@contextmanager
+def tokenizer_proxy(
+    settings: CommonSettings, tmp: Path, *, admin_key: str, producer: str, model_dir: Path
+) -> Iterator[str]:
+    """A proxy with the tiny model's tokenizer and no backend (for the rollout and job routes:
+    no model call is made); yields its URL once its routes answer, stops it on exit."""
+    port = free_port()
+    proxy = LoggedProcess(
+        ["proxy"],
+        settings,
+        tmp,
+        "proxy.log",
+        env={
+            "ROLLSTREAM_PROXY_PORT": str(port),
+            "ROLLSTREAM_PROXY_BACKENDS": f"http://127.0.0.1:{free_port()}",  # never called
+            "ROLLSTREAM_PROXY_MODEL_PATH": str(ensure_tiny_model(model_dir)),
+            "ROLLSTREAM_PROXY_API_KEYS": admin_key,
+            "ROLLSTREAM_PROXY_TOKEN_SECRET": TOKEN_SECRET,
+            "ROLLSTREAM_SPOOL_DIR": str(tmp / "spool"),
+            "ROLLSTREAM_PRODUCER": producer,
+        },
+    )
+    proxy.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # /health is 503 without a backend; the routes answer once it serves
+            if proxy.proc is None or proxy.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not come up:\n{proxy.log_tail()}")
+            try:
+                if httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)  # not listening yet: nothing to wait on but the port
+        yield url
+    finally:
+        proxy.stop()
+
+
+def fresh_settings(bootstrap: str, home: Path) -> CommonSettings:
+    """Settings on the session broker with a namespace of their own, its topics created."""
+    s = CommonSettings(kafka_bootstrap=bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}", home=home)
+    ensure_topics(s)
+    return s
 
 
 def events_of(settings: CommonSettings, rollout_id: str, timeout: float = 30.0) -> list[Event]:

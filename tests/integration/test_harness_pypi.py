@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from _rollout_stack import events_of, rollout_stack
+from _rollout_stack import events_of, fresh_settings, rollout_stack
 
-from rollstream.adapters.topics import ensure_topics
 from rollstream.infra.kafka import KafkaBroker
 from rollstream.producers.rollouts.agents import build_agent
 from rollstream.producers.rollouts.bwrap import BwrapProvider
@@ -156,12 +154,7 @@ def harness_venv() -> Path:
 
 @pytest.fixture(scope="module")
 def settings(kafka: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> CommonSettings:
-    home = tmp_path_factory.mktemp("harness-home")
-    s = CommonSettings(
-        kafka_bootstrap=kafka.bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}", home=home
-    )
-    ensure_topics(s)
-    return s
+    return fresh_settings(kafka.bootstrap, tmp_path_factory.mktemp("harness-home"))
 
 
 @pytest.fixture(scope="module")

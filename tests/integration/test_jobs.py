@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,9 @@ from typing import Any
 import httpx
 import pytest
 from _kafka_read import read_topic
-from _logged_process import LoggedProcess
+from _rollout_stack import fresh_settings, tokenizer_proxy
 
-from rollstream.adapters.topics import ensure_topics
-from rollstream.inference.tinymodel import ensure_tiny_model
-from rollstream.infra.kafka import KafkaBroker, free_port
+from rollstream.infra.kafka import KafkaBroker
 from rollstream.producers.rollouts.jobs import expand, parse_job, resolve_tasks
 from rollstream.producers.rollouts.stages import JobRecord, StageMessage
 from rollstream.schemas import CommonSettings
@@ -51,49 +48,16 @@ def spec(job_id: str, **changes: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def settings(kafka: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> CommonSettings:
-    home = tmp_path_factory.mktemp("jobs-home")
-    s = CommonSettings(
-        kafka_bootstrap=kafka.bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}", home=home
-    )
-    ensure_topics(s)
-    return s
+    return fresh_settings(kafka.bootstrap, tmp_path_factory.mktemp("jobs-home"))
 
 
 @pytest.fixture(scope="module")
 def proxy_url(settings: CommonSettings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("jobs-proxy")
-    model_dir = ensure_tiny_model(tmp / "models" / "tiny")  # the proxy's tokenizer
-    port = free_port()
-    proxy = LoggedProcess(
-        ["proxy"],
-        settings,
-        tmp,
-        "proxy.log",
-        env={
-            "ROLLSTREAM_PROXY_PORT": str(port),
-            "ROLLSTREAM_PROXY_BACKENDS": f"http://127.0.0.1:{free_port()}",  # never called
-            "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
-            "ROLLSTREAM_PROXY_API_KEYS": ADMIN,
-            "ROLLSTREAM_PROXY_TOKEN_SECRET": "secret-for-job-integration-tests",
-            "ROLLSTREAM_SPOOL_DIR": str(tmp / "spool"),
-            "ROLLSTREAM_PRODUCER": "proxy-jobs-it",
-        },
-    )
-    proxy.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # /health is 503 without a backend; the routes answer once it serves
-            assert proxy.proc is not None and proxy.proc.poll() is None, proxy.log_tail()
-            assert time.monotonic() < deadline, proxy.log_tail()
-            try:
-                if httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)  # not listening yet: nothing to wait on but the port
+    with tokenizer_proxy(
+        settings, tmp, admin_key=ADMIN, producer="proxy-jobs-it", model_dir=tmp / "models" / "tiny"
+    ) as url:
         yield url
-    finally:
-        proxy.stop()
 
 
 def cli(settings: CommonSettings, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -24,12 +24,9 @@ from typing import Any
 
 import httpx
 import pytest
-from _kafka_read import read_topic
-from _logged_process import LoggedProcess
+from _rollout_stack import events_of, fresh_settings, rollout_stack
 
-from rollstream.adapters.topics import ensure_topics
-from rollstream.inference.tinymodel import ensure_tiny_model
-from rollstream.infra.kafka import KafkaBroker, free_port
+from rollstream.infra.kafka import KafkaBroker
 from rollstream.producers.rollouts.agents import (
     AgentContext,
     AgentOutcome,
@@ -44,7 +41,6 @@ from rollstream.producers.rollouts.runner import RolloutExists, RolloutResult, r
 from rollstream.producers.rollouts.settings import RolloutSettings
 from rollstream.producers.rollouts.tasks import Task
 from rollstream.schemas import (
-    Codec,
     CommonSettings,
     EvaluatorOutput,
     Event,
@@ -63,71 +59,16 @@ ADMIN = "admin-key-for-rollout-tests"
 TASK_ID = "balanced-brackets"
 
 
-def wait_healthy(url: str, proc: LoggedProcess, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.proc is not None and proc.proc.poll() is None, proc.log_tail()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not come up:\n{proc.log_tail()}")
-
-
 @pytest.fixture(scope="module")
 def settings(kafka: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> CommonSettings:
-    home = tmp_path_factory.mktemp("rollouts-home")
-    s = CommonSettings(
-        kafka_bootstrap=kafka.bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}", home=home
-    )
-    ensure_topics(s)
-    return s
+    return fresh_settings(kafka.bootstrap, tmp_path_factory.mktemp("rollouts-home"))
 
 
 @pytest.fixture(scope="module")
 def proxy_url(settings: CommonSettings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("rollout-services")
-    model_dir = ensure_tiny_model(tmp / "models" / "tiny")
-    model_port, proxy_port = free_port(), free_port()
-    model = LoggedProcess(
-        ["serve-model"],
-        settings,
-        tmp,
-        "model.log",
-        env={
-            "ROLLSTREAM_MODEL_PATH": str(model_dir),
-            "ROLLSTREAM_MODEL_PORT": str(model_port),
-            "ROLLSTREAM_MODEL_CREATE": "false",
-        },
-    )
-    proxy = LoggedProcess(
-        ["proxy"],
-        settings,
-        tmp,
-        "proxy.log",
-        env={
-            "ROLLSTREAM_PROXY_PORT": str(proxy_port),
-            "ROLLSTREAM_PROXY_BACKENDS": f"http://127.0.0.1:{model_port}",
-            "ROLLSTREAM_PROXY_MODEL_PATH": str(model_dir),
-            "ROLLSTREAM_PROXY_API_KEYS": ADMIN,
-            "ROLLSTREAM_PROXY_TOKEN_SECRET": "secret-for-rollout-integration-tests",
-            "ROLLSTREAM_PROXY_HEALTH_INTERVAL_S": "0.5",
-            "ROLLSTREAM_SPOOL_DIR": str(tmp / "spool"),
-            "ROLLSTREAM_PRODUCER": "proxy-rollouts-it",
-        },
-    )
-    model.start()
-    proxy.start()  # both load at once; the proxy waits for its backend
-    try:
-        wait_healthy(f"http://127.0.0.1:{model_port}", model)
-        url = f"http://127.0.0.1:{proxy_port}"
-        wait_healthy(url, proxy)
+    with rollout_stack(settings, tmp, admin_key=ADMIN, producer="proxy-rollouts-it") as url:
         yield url
-    finally:
-        proxy.stop()
-        model.stop()
 
 
 @pytest.fixture(scope="module")
@@ -152,21 +93,6 @@ def make_job(job_id: str, **changes: Any) -> tuple[JobSpec, Task]:
     job = parse_job(spec)
     (task,) = resolve_tasks(job)
     return job, task
-
-
-def events_of(settings: CommonSettings, rollout_id: str, timeout: float = 30.0) -> list[Event]:
-    """The rollout's events in seq order, once its RolloutFinished is on the topic."""
-    codec = Codec()
-    deadline = time.monotonic() + timeout
-    while True:
-        messages = read_topic(settings, settings.topics().events, timeout)
-        events = [codec.decode(m.value()) for m in messages]
-        mine = sorted((e for e in events if e.rollout_id == rollout_id), key=lambda e: e.seq)
-        if any(isinstance(e.body, RolloutFinished) for e in mine):
-            assert [e.seq for e in mine] == list(range(len(mine)))
-            return mine
-        assert time.monotonic() < deadline, f"no RolloutFinished for {rollout_id}: {mine}"
-        time.sleep(0.3)
 
 
 def rewards(events: list[Event]) -> list[Reward]:
