@@ -159,7 +159,8 @@ def _route(handler: Handler, limit: int) -> Callable[[Request], Any]:
             return await read_json(request, limit)
 
         http = HttpRequest(
-            token=bearer_token(request.headers.get("authorization")),
+            token=bearer_token(request.headers.get("authorization"))
+            or request.headers.get("x-api-key"),  # Anthropic's client sends its key there
             path=request.path_params,
             query=request.query_params,
             base_url=str(request.base_url),

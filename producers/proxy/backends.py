@@ -4,7 +4,12 @@
 OpenAI server (kind="vllm") with the same request: ``POST /v1/completions`` with ``prompt`` as
 token ids, ``return_token_ids=true`` (vLLM >= 0.10.2 answers ``choices[0].token_ids``) and
 ``logprobs=0`` + ``return_tokens_as_token_ids=true`` (``choices[0].logprobs.token_logprobs``;
-``tokens`` as "token_id:N", used when ``token_ids`` is absent). They differ in weight updates:
+``tokens`` as "token_id:N", used when ``token_ids`` is absent). ``logprobs=k`` (k <= 20) adds
+each step's top-k alternatives (``top_logprobs``, keys "token_id:N"; both servers add the sampled
+token to them, which ``Completion.top_logprobs`` leaves out unless it is in the top k). A
+``response_format`` (json_object / json_schema) is passed on to vLLM, which decodes under its
+grammar; the reference server has no guided decoding, so ``complete`` refuses one for it
+(BackendRejected, before any request). They differ in weight updates:
 
 - reference: ``POST /v1/load_weights {"path", "version"}``, applied between two batches, and
   ``GET /v1/policy_version``; every completion reports the version that generated it.
@@ -89,6 +94,8 @@ class Completion:
     policy_version: int
     prompt_tokens: int
     stop_reason: int | None = None  # the stop_token_ids entry that ended it; None for EOS
+    # per generated token, the top-k (token id, logprob), best first; None unless asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     backend: str = ""
     model: str = ""
     latency_s: float = 0.0
@@ -109,12 +116,28 @@ def _error_message(response: httpx.Response | bytes) -> str:
     return str(body)[:500]
 
 
+def _token_id(t: Any) -> int:
+    if not isinstance(t, str) or not t.startswith("token_id:"):
+        raise ValueError(f"logprobs token {t!r} is not of the form 'token_id:N'")
+    return int(t.removeprefix("token_id:"))
+
+
 def _token_ids_from_logprobs(tokens: list[Any]) -> list[int]:
+    return [_token_id(t) for t in tokens]
+
+
+def _top_logprobs(steps: Any, k: int, n: int) -> list[list[tuple[int, float]]]:
+    """The top ``k`` (token id, logprob) of each of ``n`` steps, best first, from the
+    completions API's ``top_logprobs`` (one ``{"token_id:N": logprob}`` dict per step)."""
+    if not isinstance(steps, list) or len(steps) != n:
+        raise ValueError(f"top_logprobs for {n} tokens expected, got {steps!s:.80}")
     out = []
-    for t in tokens:
-        if not isinstance(t, str) or not t.startswith("token_id:"):
-            raise ValueError(f"logprobs token {t!r} is not of the form 'token_id:N'")
-        out.append(int(t.removeprefix("token_id:")))
+    for step in steps:
+        if not isinstance(step, dict):
+            raise ValueError(f"a top_logprobs step is not an object: {step!s:.80}")
+        pairs = [(_token_id(t), float(v)) for t, v in step.items() if v is not None]
+        pairs.sort(key=lambda p: -p[1])
+        out.append(pairs[:k])
     return out
 
 
@@ -254,8 +277,15 @@ class CompletionBackend:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
+        top_logprobs: int = 0,
+        response_format: dict[str, Any] | None = None,
     ) -> Completion:
-        """Sample one completion of ``prompt_ids``; the stop token, if any, is included."""
+        """Sample one completion of ``prompt_ids``; the stop token, if any, is included.
+        ``top_logprobs`` > 0 also asks for that many alternatives per token;
+        ``response_format`` (vLLM only) constrains the completion to JSON."""
+        if response_format is not None and self.kind != "vllm":
+            msg = "response_format needs a backend with guided decoding (kind vllm)"
+            raise BackendRejected(msg, backend=self.name, status=400)
         if isinstance(prompt_ids, np.ndarray):
             prompt = prompt_ids.astype(np.int64, copy=False).tolist()  # Python ints
         else:
@@ -265,7 +295,7 @@ class CompletionBackend:
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,
-            "logprobs": 0,
+            "logprobs": int(top_logprobs),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
@@ -277,6 +307,8 @@ class CompletionBackend:
             body["seed"] = seed
         if stop_token_ids:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        if response_format is not None:
+            body["response_format"] = response_format
         started = time.perf_counter()
         if self._lean_transport is not None and self._lean_target() is not None:
             data = await self._post_lean(body)
@@ -284,7 +316,7 @@ class CompletionBackend:
             data = await self._json("POST", "/v1/completions", json=body)
         latency = time.perf_counter() - started
         try:
-            return self._parse(data, len(body["prompt"]), latency)
+            return self._parse(data, len(body["prompt"]), latency, top_logprobs)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
 
@@ -339,7 +371,9 @@ class CompletionBackend:
         except ValueError as exc:
             raise BackendProtocolError("/v1/completions: invalid JSON", backend=self.name) from exc
 
-    def _parse(self, data: dict[str, Any], prompt_len: int, latency: float) -> Completion:
+    def _parse(
+        self, data: dict[str, Any], prompt_len: int, latency: float, top_k: int = 0
+    ) -> Completion:
         choice = data["choices"][0]
         lp = choice.get("logprobs") or {}
         logprobs = lp.get("token_logprobs")
@@ -354,6 +388,7 @@ class CompletionBackend:
         if isinstance(version, int):
             self._version = version
         usage = data.get("usage") or {}
+        tops = _top_logprobs(lp.get("top_logprobs"), top_k, len(ids)) if top_k else None
         return Completion(
             token_ids=np.asarray(ids, dtype=np.uint32),
             logprobs=np.asarray(logprobs, dtype=np.float32),
@@ -363,6 +398,7 @@ class CompletionBackend:
             stop_reason=choice.get("stop_reason")
             if isinstance(choice.get("stop_reason"), int)
             else None,
+            top_logprobs=tops,
             backend=self.name,
             model=str(data.get("model", self.model or "")),
             latency_s=latency,

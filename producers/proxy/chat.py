@@ -49,7 +49,15 @@ sum over its calls.
 Replies: generated IDs are decoded (special tokens skipped); with tools enabled, each
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` block holding valid JSON becomes an
 OpenAI tool call and is removed from the content (the tiny model's template renders tool calls
-back the same way).
+back the same way). ``tool_choice``: "none" renders the tools (the prompt stays the one the
+other turns extend) but parses no tool call; "required" or a named function cannot be forced
+without constrained decoding, so the reply is read as sampled and ``tool_choice_met`` says
+whether it holds a (matching) tool call.
+
+Several choices of one request (``n`` > 1, ``read_replies``): every reply is remembered at the
+same position, so whichever the harness sends back in its next request is found and its
+generated ids spliced in (the next call then extends that choice); two choices with the same
+text are one key, and choice 0's ids are the ones kept.
 
 The proxy's pipeline calls two steps here, each once per call: ``render_turn`` (step 2: normalize
 the messages and tools, render, splice in generated ids, count drift, find new tool results, turn
@@ -96,6 +104,7 @@ __all__ = [
     "normalize_messages",
     "normalize_tools",
     "parse_reply",
+    "read_replies",
     "read_reply",
     "render_prompt",
     "render_text",
@@ -273,6 +282,8 @@ class AssistantReply:
     content: str | None
     tool_calls: list[dict[str, Any]]
     token_texts: list[str] | None = None  # each generated token's text (read_reply, on demand)
+    top_texts: list[list[str]] | None = None  # the text of each step's alternatives (on demand)
+    tool_choice_met: bool | None = None  # a tool call was required: whether the reply has one
 
     def message(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -363,6 +374,7 @@ class ChatTurn:
     tools_enabled: bool  # tools given and tool_choice not "none": parse tool calls in the reply
     stop_token_ids: list[int]
     tool_results: list[ToolResult]  # tool messages answering earlier replies, not recorded yet
+    required_tool: str | None = None  # tool_choice "required" (""), a named function, else None
 
 
 def render_turn(
@@ -381,6 +393,7 @@ def render_turn(
     Raises ChatInputError (``param``, ``code``) for input that cannot be rendered."""
     msgs = normalize_messages(messages)
     tool_list = normalize_tools(tools)
+    required = _required_tool(tool_choice, tool_list)
     stop_ids = stop_token_ids(chat, stop)
     try:
         prompt = render_prompt(
@@ -394,7 +407,25 @@ def render_turn(
         tools_enabled=tool_list is not None and tool_choice != "none",
         stop_token_ids=stop_ids,
         tool_results=_pending_tool_results(memory, msgs),
+        required_tool=required,
     )
+
+
+def _required_tool(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """The tool call ``tool_choice`` requires: "" for any ("required"), a function's name, or
+    None (none required). A required call without tools, or a name that is not one of them,
+    is a ChatInputError on ``tool_choice``."""
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return None
+    name = "" if tool_choice == "required" else str(tool_choice["function"]["name"])
+    names = {t["function"]["name"] for t in tools or ()}
+    if not names:
+        msg = "`tool_choice` requires a tool call but no `tools` were given"
+        raise ChatInputError(msg, "tool_choice", code="invalid_value")
+    if name and name not in names:
+        msg = f"`tool_choice` names {name!r}, which is not one of the `tools`"
+        raise ChatInputError(msg, "tool_choice", code="invalid_value")
+    return name
 
 
 def read_reply(
@@ -406,20 +437,51 @@ def read_reply(
     *,
     stop_reason: int | None = None,
     token_texts: bool = False,
+    top_ids: Sequence[Sequence[int]] | None = None,
 ) -> AssistantReply:
     """After the backend answered ``turn``: decode the generated ids into the assistant message
     (tool calls parsed when the turn has tools; a stop token the request asked for is not part
     of the text), remember them for the rollout's next turns, and with ``token_texts`` give each
-    token's text (for logprobs)."""
+    token's text (for logprobs) and the text of each step's alternatives ``top_ids``."""
     ids = token_ids
     user_stop = stop_reason is not None and len(ids) > 0 and int(ids[-1]) == stop_reason
     reply = parse_reply(chat, ids[:-1] if user_stop else ids, tools_enabled=turn.tools_enabled)
     memory.remember(turn.messages, reply, ids, call_id)
+    if turn.required_tool is not None:
+        met = any(turn.required_tool in ("", c["function"]["name"]) for c in reply.tool_calls)
+        reply = dataclasses.replace(reply, tool_choice_met=met)
     if token_texts:
         singles = [[t] for t in ids.tolist()]
-        texts = chat.tokenizer.decode_batch(singles, skip_special_tokens=False)
-        reply = dataclasses.replace(reply, token_texts=list(texts))
+        alts = [[int(t)] for step in top_ids or () for t in step]
+        texts = list(chat.tokenizer.decode_batch(singles + alts, skip_special_tokens=False))
+        top_texts = None
+        if top_ids is not None:
+            flat = iter(texts[len(singles) :])
+            top_texts = [[next(flat) for _ in step] for step in top_ids]
+        reply = dataclasses.replace(reply, token_texts=texts[: len(singles)], top_texts=top_texts)
     return reply
+
+
+def read_replies(
+    chat: ChatTemplate,
+    memory: ChatMemory,
+    turn: ChatTurn,
+    completions: Sequence[tuple[Tokens, int | None, Sequence[Sequence[int]] | None]],
+    call_ids: Sequence[str],
+    *,
+    token_texts: bool = False,
+) -> list[AssistantReply]:
+    """``read_reply`` for each choice of one request (``completions``: token ids, stop reason,
+    alternatives' ids), in choice order. All are remembered at the request's position; the
+    last one remembered wins a tie of equal texts, so they are read from the last choice to
+    the first: choice 0 is the one the memory continues from."""
+    replies = [
+        read_reply(
+            chat, memory, turn, ids, call_id, stop_reason=stop, token_texts=token_texts, top_ids=top
+        )
+        for (ids, stop, top), call_id in zip(reversed(completions), reversed(call_ids), strict=True)
+    ]
+    return replies[::-1]
 
 
 @dataclass(frozen=True, slots=True)

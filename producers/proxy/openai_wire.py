@@ -3,6 +3,13 @@ parsing (step 1 of a model call), answers (its last step) and error objects. The
 (service.py) calls it; the ASGI app (app.py) only moves bytes. The OpenAPI document of the
 routes is openapi.py.
 
+Chat options beyond sampling: ``n`` (1..16) choices, each its own backend sample;
+``logprobs`` with ``top_logprobs`` (0..20) alternatives per token; ``tool_choice`` ("none",
+"auto", "required" or one named function; no constrained decoding, so a reply that misses a
+required tool call is answered as sampled, with ``tool_choice_met: false`` on the choice);
+``response_format`` (``text``; ``json_object`` / ``json_schema`` only where every backend
+decodes under a grammar: the service refuses them otherwise, never ignores them).
+
     parse_chat_request(body) -> ChatRequest        validated options; messages left to chat.py
     parse_text_request(body) -> TextRequest
     chat_answer(...) / text_answer(...) -> Answer   JSON or the complete SSE sequence
@@ -44,9 +51,12 @@ except ImportError:  # pragma: no cover - orjson is optional
 __all__ = [
     "ERROR_TYPES",
     "FINISH_REASONS",
+    "MAX_CHOICES",
+    "MAX_TOP_LOGPROBS",
     "Answer",
     "ApiError",
     "CallParams",
+    "ChatChoice",
     "ChatRequest",
     "HttpRequest",
     "ProxyError",
@@ -55,6 +65,7 @@ __all__ = [
     "bearer_token",
     "chat_answer",
     "chat_chunks",
+    "chat_logprobs",
     "dumps",
     "error_answer",
     "error_body",
@@ -196,6 +207,11 @@ def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
     return value
 
 
+MAX_CHOICES = 16  # n of one chat request: that many backend samples of one prompt
+MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's limit
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
 @dataclass(frozen=True, slots=True)
 class CallParams:
     """The validated, endpoint-independent part of a completion request."""
@@ -207,18 +223,23 @@ class CallParams:
     stop: tuple[str, ...]  # stop strings; the chat step turns them into token ids
     logprobs: bool
     return_token_ids: bool  # vLLM's extension: answer the prompt and completion token ids
+    n: int = 1  # choices (chat only): n backend samples of the same prompt
+    top_logprobs: int = 0  # alternatives per generated token (chat, with logprobs)
 
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     """A /chat/completions request, options validated. ``messages`` and ``tools`` are as sent:
-    normalizing them is the chat step's (chat.py), with the template at hand."""
+    normalizing them is the chat step's (chat.py), with the template at hand.
+    ``response_format`` is None for plain text, else the object as sent (json_object or
+    json_schema), for a backend that decodes under a grammar."""
 
     messages: Any
     tools: Any
     tool_choice: Any
     add_generation_prompt: bool
     params: CallParams
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,17 +250,25 @@ class TextRequest:
     params: CallParams
 
 
-def _call_params(body: dict[str, Any]) -> CallParams:
+def _call_params(body: dict[str, Any], *, chat: bool = False) -> CallParams:
     """Sampling and output options shared by /chat/completions and /completions. Unsupported
-    options that would change the result (n > 1, penalties, top_logprobs, echo) are refused with
-    400 rather than ignored."""
-    if number(body, "n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n", code="unsupported")
+    options that would change the result (penalties, echo, best_of; on /completions n > 1 and
+    top_logprobs) are refused with 400 rather than ignored."""
+    n = number(body, "n", 1, lo=1, hi=MAX_CHOICES)
+    if n > 1 and not chat:
+        raise ApiError(400, "only n=1 is supported on /completions", param="n", code="unsupported")
     for key in ("presence_penalty", "frequency_penalty"):
         if number(body, key, 0.0, float):
             raise ApiError(400, f"`{key}` is not supported", param=key, code="unsupported")
-    if body.get("top_logprobs"):
-        raise ApiError(400, "`top_logprobs` is not supported", param="top_logprobs")
+    top_logprobs = 0
+    if chat:
+        top_logprobs = number(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        if top_logprobs and not body.get("logprobs"):
+            msg = "`top_logprobs` needs `logprobs: true`"
+            raise ApiError(400, msg, param="top_logprobs", code="invalid_value")
+    elif body.get("top_logprobs"):
+        msg = "`top_logprobs` is not supported on /completions"
+        raise ApiError(400, msg, param="top_logprobs", code="unsupported")
     if body.get("echo") or body.get("best_of", 1) not in (1, None):
         raise ApiError(400, "`echo` and `best_of` are not supported", code="unsupported")
     max_tokens = number(body, "max_completion_tokens", None, lo=1)
@@ -268,18 +297,57 @@ def _call_params(body: dict[str, Any]) -> CallParams:
         stop=stops,
         logprobs=bool(body.get("logprobs")),
         return_token_ids=flag(body, "return_token_ids"),
+        n=n,
+        top_logprobs=top_logprobs,
     )
+
+
+def _tool_choice(raw: Any) -> Any:
+    """``tool_choice`` checked: None, "none", "auto", "required" or ``{"type": "function",
+    "function": {"name": str}}`` (whether the name is one of the tools is the chat step's)."""
+    if raw is None or raw in ("none", "auto", "required"):
+        return raw
+    fn = raw.get("function") if isinstance(raw, dict) else None
+    if (
+        isinstance(fn, dict)
+        and raw.get("type", "function") == "function"
+        and isinstance(fn.get("name"), str)
+        and fn["name"]
+    ):
+        return raw
+    msg = (
+        '`tool_choice` must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}'
+    )
+    raise ApiError(400, msg, param="tool_choice", code="invalid_value")
+
+
+def _response_format(raw: Any) -> dict[str, Any] | None:
+    """``response_format`` checked: None for text, else a json_object or json_schema object."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        msg = "`response_format.type` must be one of " + ", ".join(RESPONSE_FORMATS)
+        raise ApiError(400, msg, param="response_format", code="invalid_value")
+    if kind == "text":
+        return None
+    if kind == "json_schema" and not isinstance(raw.get("json_schema"), dict):
+        msg = "`response_format.json_schema` must be an object"
+        raise ApiError(400, msg, param="response_format", code="invalid_value")
+    return dict(raw)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Step 1 of a chat call: the request's options, validated (400 on a bad one)."""
-    params = _call_params(body)
+    params = _call_params(body, chat=True)
     return ChatRequest(
         messages=body.get("messages"),
         tools=body.get("tools"),
-        tool_choice=body.get("tool_choice"),
+        tool_choice=_tool_choice(body.get("tool_choice")),
         add_generation_prompt=flag(body, "add_generation_prompt", True),
         params=params,
+        response_format=_response_format(body.get("response_format")),
     )
 
 
@@ -309,11 +377,29 @@ class Generation(Protocol):
     @property
     def logprobs(self) -> np.ndarray: ...
     @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None: ...
+    @property
     def finish_reason(self) -> str: ...
     @property
     def backend(self) -> str: ...
     @property
     def policy_version(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChatChoice:
+    """One choice of a chat answer: the backend's completion, the assistant message read from
+    it and the id of its LlmCall. ``token_texts`` (each generated token's text) and
+    ``top_texts`` (the text of each of ``out.top_logprobs``' alternatives) when logprobs were
+    asked for; ``tool_choice_met`` when a tool call was required ("required" or a named
+    function): whether the reply holds one."""
+
+    out: Generation
+    message: dict[str, Any]
+    call_id: str
+    token_texts: list[str] | None = None
+    top_texts: list[list[str]] | None = None
+    tool_choice_met: bool | None = None
 
 
 def usage(prompt_len: int, completion_len: int) -> dict[str, int]:
@@ -328,15 +414,15 @@ def sse_body(chunks: list[dict[str, Any]]) -> bytes:
 
 def chat_chunks(
     head: dict[str, Any], message: dict[str, Any], finish: str, use: dict[str, int] | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, index: int = 0,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """chat.completion.chunk objects for a whole reply (an assistant ``message``): role,
-    content, tool calls, finish, and the usage chunk when ``use`` is given
+    """chat.completion.chunk objects for a whole reply (an assistant ``message``, choice
+    ``index``): role, content, tool calls, finish, and the usage chunk when ``use`` is given
     (``stream_options.include_usage``)."""
     base = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta: dict[str, Any], fin: str | None = None, lp: Any = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                      "finish_reason": fin}]}  # fmt: skip
 
     chunks = [chunk({"role": "assistant", "content": ""})]
@@ -370,64 +456,93 @@ def text_chunks(
 
 def _answer(
     head: dict[str, Any],
-    choice: dict[str, Any],
+    choices: list[dict[str, Any]],
     use: dict[str, int],
     params: CallParams,
     prompt_ids: np.ndarray,
-    out: Generation,
+    outs: list[Generation],
     call_id: str,
     rollout_id: str,
     **ext: Any,
 ) -> Answer:
     if params.return_token_ids:
-        choice["token_ids"] = out.token_ids.tolist()
-        choice["prompt_token_ids"] = prompt_ids.tolist()
+        for choice, out in zip(choices, outs, strict=True):
+            choice["token_ids"] = out.token_ids.tolist()
+            choice["prompt_token_ids"] = prompt_ids.tolist()
     ext |= {
         "call_id": call_id,
         "rollout_id": rollout_id,
-        "backend": out.backend,
-        "policy_version": out.policy_version,
+        "backend": outs[0].backend,
+        "policy_version": outs[0].policy_version,
     }
-    return Answer(dumps(head | {"choices": [choice], "usage": use, "rollstream": ext}))
+    return Answer(dumps(head | {"choices": choices, "usage": use, "rollstream": ext}))
+
+
+def _token_logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(choice: ChatChoice) -> dict[str, Any] | None:
+    """OpenAI's ``choices[i].logprobs``: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}, ...]}, ...]}``, one entry per generated token
+    (None without ``token_texts``)."""
+    if choice.token_texts is None:
+        return None
+    tops, top_texts = choice.out.top_logprobs, choice.top_texts
+    content = []
+    lps = choice.out.logprobs.tolist()
+    for j, (text, lp) in enumerate(zip(choice.token_texts, lps, strict=True)):
+        alts: list[dict[str, Any]] = []
+        if tops is not None and top_texts is not None:
+            pairs = zip(tops[j], top_texts[j], strict=True)
+            alts = [_token_logprob(t, a_lp) for (_, a_lp), t in pairs]
+        content.append({**_token_logprob(text, lp), "top_logprobs": alts})
+    return {"content": content}
 
 
 def chat_answer(
     params: CallParams,
     *,
-    call_id: str,
     created: int,
     model: str,
     rollout_id: str,
     prompt_ids: np.ndarray,
-    out: Generation,
-    message: dict[str, Any],
-    token_texts: list[str] | None,
+    choices: list[ChatChoice],
     drift_tokens: int,
 ) -> Answer:
-    """The last step of a chat call: the chat.completion object (or its SSE chunks) for the
-    assistant ``message`` decoded from ``out``; ``token_texts`` (one per generated token) when
-    logprobs were asked for."""
-    finish = FINISH_REASONS.get(out.finish_reason, "stop")
-    if message.get("tool_calls"):
-        finish = "tool_calls"
-    use = usage(len(prompt_ids), len(out.token_ids))
-    head = {"id": f"chatcmpl-{call_id}", "created": created, "model": model}
-    logprobs = None
-    if params.logprobs and token_texts is not None:
-        lps = out.logprobs.tolist()
-        content = [
-            {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-            for t, lp in zip(token_texts, lps, strict=True)
-        ]
-        logprobs = {"content": content}
+    """The last step of a chat call: the chat.completion object (or its SSE chunks) with one
+    choice per completion (index 0..n-1). Usage counts the prompt once and every choice's
+    completion; ``rollstream.call_id`` is choice 0's LlmCall, ``rollstream.call_ids`` each
+    choice's. Streamed, the chunks of choice 0 come first, then those of choice 1, ... (each
+    chunk carries its choice's index), then the usage chunk."""
+    first = choices[0]
+    head = {"id": f"chatcmpl-{first.call_id}", "created": created, "model": model}
+    completion_tokens = sum(len(c.out.token_ids) for c in choices)
+    use = usage(len(prompt_ids), completion_tokens)
+    bodies = []
+    for i, c in enumerate(choices):
+        finish = FINISH_REASONS.get(c.out.finish_reason, "stop")
+        if c.message.get("tool_calls"):
+            finish = "tool_calls"
+        body: dict[str, Any] = {"index": i, "message": c.message, "logprobs": chat_logprobs(c)}
+        body["finish_reason"] = finish
+        if c.tool_choice_met is not None:
+            body["tool_choice_met"] = c.tool_choice_met
+        bodies.append(body)
     if params.stream:
-        use_chunk = use if params.include_usage else None
-        return Answer(sse_body(chat_chunks(head, message, finish, use_chunk, logprobs)), sse=True)
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        chunks = []
+        for i, body in enumerate(bodies):
+            message, finish, lp = body["message"], body["finish_reason"], body["logprobs"]
+            chunks += chat_chunks(head, message, finish, None, lp, index=i)
+        if params.include_usage:
+            chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": use})
+        return Answer(sse_body(chunks), sse=True)
     head["object"] = "chat.completion"
-    return _answer(
-        head, choice, use, params, prompt_ids, out, call_id, rollout_id, drift_tokens=drift_tokens
-    )
+    ext: dict[str, Any] = {"drift_tokens": drift_tokens}
+    if len(choices) > 1:
+        ext["call_ids"] = [c.call_id for c in choices]
+    outs = [c.out for c in choices]
+    return _answer(head, bodies, use, params, prompt_ids, outs, first.call_id, rollout_id, **ext)
 
 
 def text_answer(
@@ -450,4 +565,4 @@ def text_answer(
         use_chunk = use if params.include_usage else None
         return Answer(sse_body(text_chunks(head, text, finish, use_chunk)), sse=True)
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _answer(head, choice, use, params, prompt_ids, out, call_id, rollout_id)
+    return _answer(head, [choice], use, params, prompt_ids, [out], call_id, rollout_id)

@@ -21,10 +21,17 @@ _OBJ, _LIST = {"type": "object"}, {"type": "array", "items": {"type": "object"}}
 _CHAT = _schema(
     "messages", model=_S, messages=_LIST, tools=_LIST, tool_choice=_ANY, stream=_B,
     stream_options=_OBJ, max_tokens=_I, max_completion_tokens=_I, temperature=_N, top_p=_N,
-    seed=_I, n={"enum": [1]}, stop=_ANY, logprobs=_B, return_token_ids=_B,
+    seed=_I, n={"type": "integer", "minimum": 1, "maximum": 16}, stop=_ANY, logprobs=_B,
+    top_logprobs={"type": "integer", "minimum": 0, "maximum": 20}, response_format=_OBJ,
+    return_token_ids=_B,
 )  # fmt: skip
 _TEXT = _schema("prompt", model=_S, prompt=_ANY, stream=_B, max_tokens=_I, temperature=_N,
                 top_p=_N, seed=_I, return_token_ids=_B)  # fmt: skip
+_MESSAGES = _schema(
+    "messages max_tokens", model=_S, messages=_LIST, max_tokens=_I, system=_ANY, tools=_LIST,
+    tool_choice=_OBJ, stream=_B, temperature=_N, top_p=_N, stop_sequences=_ANY, metadata=_OBJ,
+    thinking=_OBJ, service_tier=_S,
+)  # fmt: skip
 _ROLLOUT = _schema(
     "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_I, harness=_S, group_size=_I,
     run_id=_S, sampling=_OBJ, metadata=_OBJ,
@@ -55,11 +62,16 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
      "rolloutToken", _CHAT, _CALL),
     ("/rollouts/{rollout_id}/v1/completions", "post", "text completion (text or token ids)",
      "rolloutToken", _TEXT, _CALL),
+    ("/rollouts/{rollout_id}/v1/messages", "post",
+     "Anthropic Messages call, recorded (token as bearer or x-api-key; Anthropic error objects)",
+     "rolloutToken", _MESSAGES, _CALL),
     ("/rollouts/{rollout_id}/v1/models", "get", "the served model", "rolloutToken", None, _ROLL),
     ("/v1/chat/completions", "post", "chat completion; the token names the rollout",
      "rolloutToken", _CHAT, _CALL),
     ("/v1/completions", "post", "text completion; the token names the rollout", "rolloutToken",
      _TEXT, _CALL),
+    ("/v1/messages", "post", "Anthropic Messages call; the token names the rollout",
+     "rolloutToken", _MESSAGES, _CALL),
     ("/v1/models", "get", "the served model", None, None, ""),
     ("/v1/rollouts", "post", "create a rollout -> base_url + token", "adminKey", _ROLLOUT,
      "400 401 409"),
@@ -92,9 +104,11 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
 
 
 def _openapi() -> dict[str, Any]:
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     paths: dict[str, Any] = {}
     for path, method, summary, security, body, codes in _ROUTES:
+        anthropic = path.endswith("/v1/messages")  # Anthropic's error objects, x-api-key too
+        ref = "#/components/schemas/" + ("AnthropicError" if anthropic else "Error")
+        error = {"content": {"application/json": {"schema": {"$ref": ref}}}}
         op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "ok"}}}
         for code in codes.split():
             op["responses"][code] = {"description": ERROR_TYPES[int(code)], **error}
@@ -104,7 +118,7 @@ def _openapi() -> dict[str, Any]:
                 "content": {"application/json": {"schema": body}},
             }
         if security:
-            op["security"] = [{security: []}]
+            op["security"] = [{security: []}, {"rolloutKey": []}] if anthropic else [{security: []}]
         paths.setdefault(path, {})[method] = op
     err_fields = {"message": _S, "type": _S, "param": {"type": ["string", "null"]},
                   "code": {"type": ["string", "null"]}}  # fmt: skip
@@ -120,8 +134,16 @@ def _openapi() -> dict[str, Any]:
                     "description": "rs1.<rollout_id>.<signature>",
                 },
                 "adminKey": {"type": "http", "scheme": "bearer"},
+                "rolloutKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             },
-            "schemas": {"Error": _schema("error", error=_schema("message type", **err_fields))},
+            "schemas": {
+                "Error": _schema("error", error=_schema("message type", **err_fields)),
+                "AnthropicError": _schema(
+                    "type error",
+                    type={"const": "error"},
+                    error=_schema("type message", type=_S, message=_S),
+                ),
+            },
         },
     }
 

@@ -457,6 +457,12 @@ class BackendPool:
         return max((m.policy_version for m in self.members), default=0)
 
     @property
+    def guided_decoding(self) -> bool:
+        """Whether every backend decodes under a grammar (vLLM: ``response_format``), so a
+        call may ask for JSON whichever backend it lands on after a failover."""
+        return bool(self.members) and all(m.backend.kind == "vllm" for m in self.members)
+
+    @property
     def stats(self) -> PoolStats:
         return PoolStats(**self._counts)
 

@@ -9,7 +9,9 @@ Routes (docs/proxy.md; GET /openapi.json describes them; ``Proxy.endpoints()`` i
     POST /rollouts/{rollout_id}/v1/chat/completions   stream or not, tools / tool_calls
     POST /rollouts/{rollout_id}/v1/completions        prompt as text or token ids
     GET  /rollouts/{rollout_id}/v1/models
+    POST /rollouts/{rollout_id}/v1/messages           Anthropic's Messages API (messages_api.py)
     POST /v1/chat/completions, /v1/completions        the same; the rollout is the token's
+    POST /v1/messages
     GET  /v1/models, /health, /openapi.json
     the rollout API (rollout_api.py), the job routes /v1/jobs (jobs_api.py) and the admin
     routes /v1/admin/{pause,drain,resume,update_weights,status}
@@ -18,27 +20,38 @@ One request, one pipeline. After the rollout token is checked (``open_rollout``)
 read (413 past the limit), a chat call is seven steps, each one function called once, in this
 order, each consuming what the one before produced:
 
-    1 parse      openai_wire.parse_chat_request   options validated (400)
+    1 parse      openai_wire.parse_chat_request   options validated (400); a response_format
+                                                  the pool cannot decode under is refused (400)
     2 render     chat.render_turn                 messages normalized and rendered into token ids
                                                   with each earlier reply's generated ids spliced
                                                   in (drift counted); new tool results found
     3 budget     Proxy._budget                    prompt and max_tokens against the context (400
                                                   context_length_exceeded)
-    4 generate   Proxy._generate -> BackendPool   sticky backend, failover; 429 while paused;
-                                                  a failure is recorded as a RolloutError (502/503)
-    5 read       chat.read_reply                  completion decoded, tool calls parsed, reply
+    4 generate   Proxy._generate -> BackendPool   n samples of the prompt, concurrently; sticky
+                                                  backend, failover; 429 while paused; a failure
+                                                  is recorded as a RolloutError (502/503)
+    5 read       chat.read_replies                completions decoded, tool calls parsed, replies
                                                   remembered for the rollout's next turns
-    6 record     Proxy._record -> RolloutHandle   tool results as ToolCall events, then the
-                                                  LlmCall (the context trie makes the delta)
+    6 record     Proxy._record -> RolloutHandle   tool results as ToolCall events, then one
+                                                  LlmCall per choice (the context trie makes the
+                                                  delta)
     7 answer     openai_wire.chat_answer          chat.completion JSON or its SSE chunks
 
 A text completion is the same with ``parse_text_request``, ``render_text`` (step 2), the
 template's ``decode`` (step 5) and ``text_answer``.
 
+Choices (``n`` > 1): n samples of the same prompt, one LlmCall each, recorded in choice order
+with the same full prompt. Choice 0 attaches where a single call would; the context trie
+attaches choice i > 0 to choice i-1 with ``prefix_len`` = the prompt's length and an empty delta,
+which the trajectory tree (streams/core/tree.py) reads as a branch of choice 0 at the end of its
+prompt, beside its completion. The tool results and the drift go with choice 0. Every reply is
+remembered: the harness's next request tells which choice it kept, and the next call extends
+that one.
+
 Streaming: the backend call is not streamed (failover needs the whole completion before a byte
-goes out), so ``stream=true`` answers with the complete SSE sequence once the completion is
-there: a role chunk, a content chunk, a tool_calls chunk, the finish chunk, an optional usage
-chunk, ``data: [DONE]``.
+goes out), so ``stream=true`` answers with the complete SSE sequence once the completions are
+there: per choice (index 0 first) a role chunk, a content chunk, a tool_calls chunk and the
+finish chunk, then an optional usage chunk, ``data: [DONE]``.
 
 Errors: ApiError (producers/errors.py) becomes ``{"error": {"message", "type", "param",
 "code"}}``; a ChatInputError a 400 with its param and code (openai_wire.as_api_error).
@@ -72,14 +85,16 @@ from rollstream.producers.proxy.backends import Completion
 from rollstream.producers.proxy.chat import (
     ChatTemplate,
     ToolResult,
-    read_reply,
+    read_replies,
     render_text,
     render_turn,
 )
 from rollstream.producers.proxy.jobs_api import JobsApi
+from rollstream.producers.proxy.messages_api import MessagesApi
 from rollstream.producers.proxy.openai_wire import (
     Answer,
     CallParams,
+    ChatChoice,
     HttpRequest,
     chat_answer,
     json_answer,
@@ -233,6 +248,13 @@ class Proxy:
         # 1 parse
         request = parse_chat_request(body)
         params = request.params
+        if request.response_format is not None and not self.pool.guided_decoding:
+            kind = request.response_format["type"]
+            msg = (
+                f"response_format {kind} needs a backend with guided decoding (vLLM); this "
+                "proxy's backends cannot constrain the reply"
+            )
+            raise ApiError(400, msg, param="response_format", code="unsupported")
         # 2 render
         turn = render_turn(
             self.chat,
@@ -248,35 +270,52 @@ class Proxy:
         max_tokens = self._budget(
             len(prompt), params.max_tokens, self.settings.proxy_default_max_tokens
         )
-        call_id = new_ulid()
+        call_ids = [new_ulid() for _ in range(params.n)]
         # 4 generate
-        out = await self._generate(
-            ro, call_id, prompt, params, turn.stop_token_ids, max_tokens, turn.tool_results
+        outs = await self._generate(
+            ro,
+            call_ids[0],
+            prompt,
+            params,
+            turn.stop_token_ids,
+            max_tokens,
+            turn.tool_results,
+            response_format=request.response_format,
         )
-        # 5 read the reply
-        reply = read_reply(
+        # 5 read the replies
+        replies = read_replies(
             self.chat,
             ro.memory,
             turn,
-            out.token_ids,
-            call_id,
-            stop_reason=out.stop_reason,
+            [(out.token_ids, out.stop_reason, _top_ids(out)) for out in outs],
+            call_ids,
             token_texts=params.logprobs,
         )
-        # 6 record
-        self._record(ro, call_id, prompt, out, turn.prompt.drift_tokens, turn.tool_results)
+        # 6 record: one LlmCall per choice; the tool results and the drift go with choice 0
+        drift = turn.prompt.drift_tokens
+        for i, (call_id, out) in enumerate(zip(call_ids, outs, strict=True)):
+            tools = turn.tool_results if i == 0 else []
+            self._record(ro, call_id, prompt, out, drift if i == 0 else 0, tools)
         # 7 answer
+        choices = [
+            ChatChoice(
+                out,
+                reply.message(),
+                call_id,
+                token_texts=reply.token_texts,
+                top_texts=reply.top_texts,
+                tool_choice_met=reply.tool_choice_met,
+            )
+            for out, reply, call_id in zip(outs, replies, call_ids, strict=True)
+        ]
         return chat_answer(
             params,
-            call_id=call_id,
             created=int(time.time()),
             model=self.model,
             rollout_id=ro.rollout_id,
             prompt_ids=prompt,
-            out=out,
-            message=reply.message(),
-            token_texts=reply.token_texts,
-            drift_tokens=turn.prompt.drift_tokens,
+            choices=choices,
+            drift_tokens=drift,
         )
 
     async def text_call(self, ro: OpenRollout, body: dict[str, Any]) -> Answer:
@@ -287,7 +326,7 @@ class Proxy:
         turn = render_text(self.chat, request.prompt, params.stop)
         max_tokens = self._budget(len(turn.ids), params.max_tokens, 16)
         call_id = new_ulid()
-        out = await self._generate(
+        (out,) = await self._generate(
             ro, call_id, turn.ids, params, turn.stop_token_ids, max_tokens, []
         )
         text = self.chat.decode(out.token_ids)
@@ -344,18 +383,33 @@ class Proxy:
         stop_token_ids: list[int],
         max_tokens: int,
         tool_results: list[ToolResult],
-    ) -> Completion:
-        """Step 4: the completion from the pool. A failure after the call was accepted is
-        recorded (with the request's tool results first) and answered 502/503/400; a
-        paused pool is a 429 with Retry-After, not recorded (the harness retries)."""
-        try:
-            return await self.pool.complete(
+        *,
+        response_format: dict[str, Any] | None = None,
+    ) -> list[Completion]:
+        """Step 4: ``params.n`` completions from the pool, sampled concurrently (with a
+        ``seed``, choice i gets seed + i, so the choices differ). A failure after the call was
+        accepted is recorded once (with the request's tool results first, under ``call_id``),
+        the other samples are cancelled, and it is answered 502/503/400; a paused pool is a 429
+        with Retry-After, not recorded (the harness retries)."""
+        extra: dict[str, Any] = {}
+        if params.top_logprobs:
+            extra["top_logprobs"] = params.top_logprobs
+        if response_format is not None:
+            extra["response_format"] = response_format
+        seed: int | None = params.sampling.get("seed")
+        samples = [
+            self.pool.complete(
                 ro.rollout_id,
                 prompt,
                 max_tokens=max_tokens,
                 stop_token_ids=stop_token_ids or None,
-                **params.sampling,
+                **(params.sampling if seed is None else {**params.sampling, "seed": seed + i}),
+                **extra,
             )
+            for i in range(params.n)
+        ]
+        try:
+            return await _all(samples)
         except PoolPaused as exc:
             retry = str(math.ceil(exc.retry_after_s))
             raise ApiError(429, str(exc), code="paused", headers={"Retry-After": retry}) from exc
@@ -518,12 +572,14 @@ class Proxy:
     def endpoints(self) -> list[Endpoint]:
         """Every route of the proxy. The model-call POSTs (the first four) are also served by
         app.py's raw ASGI fast path, with the same answers."""
-        api = self.api
+        api, anthropic = self.api, MessagesApi(self)
         table: list[tuple[str, str, Handler]] = [
             ("/rollouts/{rollout_id}/v1/chat/completions", "POST", self.chat_completions),
             ("/rollouts/{rollout_id}/v1/completions", "POST", self.completions),
             ("/v1/chat/completions", "POST", self.chat_completions),
             ("/v1/completions", "POST", self.completions),
+            ("/rollouts/{rollout_id}/v1/messages", "POST", anthropic.messages),
+            ("/v1/messages", "POST", anthropic.messages),
             ("/rollouts/{rollout_id}/v1/models", "GET", self.models),
             ("/v1/models", "GET", self.models),
             ("/v1/rollouts", "POST", api.create),
@@ -544,6 +600,31 @@ class Proxy:
             ("/openapi.json", "GET", self.openapi),
         ]
         return [Endpoint(path, method, handler) for path, method, handler in table]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+async def _all(samples: list[Awaitable[Completion]]) -> list[Completion]:
+    """Every sample's completion, in order; the first failure cancels the others (awaited, so
+    none is left running) and is raised."""
+    if len(samples) == 1:
+        return [await samples[0]]
+    tasks = [asyncio.ensure_future(s) for s in samples]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _top_ids(out: Completion) -> list[list[int]] | None:
+    """The token ids of each step's alternatives (None when none were asked for)."""
+    if out.top_logprobs is None:
+        return None
+    return [[t for t, _ in step] for step in out.top_logprobs]
 
 
 # --------------------------------------------------------------------------- factories

@@ -744,3 +744,93 @@ def test_policy_watcher_dead_letters_an_undecodable_record(kafka_settings: Commo
     assert [name for name, _ in dead.headers()] == list(HEADER_NAMES)
     assert (headers["stage"], headers["code"]) == ("policy_watcher", CODE_UNDECODABLE)
     assert (headers["original_topic"], headers["original_offset"]) == (topics.policy, "0")
+
+
+def test_n_choices_are_sibling_samples_on_the_log(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path, model_server: str
+) -> None:
+    """n=3 through the official client: three choices sampled by the reference server (seeds
+    s, s+1, s+2), three LlmCalls with one full prompt on the log; the harness keeps choice 1,
+    and the next call extends choice 1's sequence."""
+    settings = proxy_settings(kafka_settings, tmp_path, model_dir, [model_server])
+    with running_proxy(settings) as (url, recorder, _):
+        ro = create_rollout(url)
+        client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "Say something."}]
+        resp = client.chat.completions.create(
+            model="m", messages=msgs, n=3, max_tokens=8, seed=5,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        assert [c.index for c in resp.choices] == [0, 1, 2]
+        ids = [c.model_extra["token_ids"] for c in resp.choices]
+        assert resp.usage.completion_tokens == sum(map(len, ids))
+        call_ids = resp.model_extra["rollstream"]["call_ids"]
+        kept = resp.choices[1].message.model_dump(exclude_none=True)
+        msgs += [kept, {"role": "user", "content": "Go on."}]
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=8, seed=9)
+        assert recorder.flush(30)
+
+    calls = calls_of(by_rollout(consume(kafka_settings))[ro["rollout_id"]])
+    assert [c.call_id for c in calls[:3]] == call_ids and len(calls) == 4
+    assert [c.completion_ids.tolist() for c in calls[:3]] == ids
+    prompts = full_prompts(calls)
+    prompt = prompts[0]
+    assert resp.usage.prompt_tokens == len(prompt)
+    for i in (1, 2):
+        assert np.array_equal(prompts[i], prompt)
+        assert calls[i].prefix_len == len(prompt) and len(calls[i].prompt_delta) == 0
+        assert calls[i].parent_call_id in call_ids[:i]
+    for i, seed in enumerate((5, 6, 7)):  # each choice is the backend's sample for its seed
+        direct = httpx.post(f"{model_server}/v1/completions", json={
+            "prompt": prompt.tolist(), "max_tokens": 8, "seed": seed, "temperature": 1.0,
+            "return_token_ids": True, "skip_special_tokens": False}).json()  # fmt: skip
+        assert direct["choices"][0]["token_ids"] == ids[i]
+    nxt = calls[3]
+    assert nxt.parent_call_id == call_ids[1]
+    assert nxt.prefix_len == len(prompt) + len(ids[1])
+
+
+def test_top_logprobs_response_format_and_tool_choice(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path, model_server: str
+) -> None:
+    """From the real reference server: top_logprobs=2 gives two alternatives per token, best
+    first, while the LlmCall keeps the sampled tokens' logprobs. response_format json_object is
+    refused (the reference server cannot constrain decoding); tool_choice "required" is
+    answered as sampled, with tool_choice_met false when the reply has no tool call."""
+    settings = proxy_settings(kafka_settings, tmp_path, model_dir, [model_server])
+    with running_proxy(settings) as (url, recorder, _):
+        ro = create_rollout(url)
+        client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "Count to three."}]
+        resp = client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=10, seed=3, logprobs=True, top_logprobs=2
+        )
+        content = resp.choices[0].logprobs.content
+        for entry in content:
+            assert len(entry.top_logprobs) == 2
+            best, second = entry.top_logprobs
+            assert best.logprob >= second.logprob
+            assert entry.logprob <= best.logprob + 1e-5  # top-k of the same distribution
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="m", messages=msgs, response_format={"type": "json_object"}
+            )
+        assert err.value.param == "response_format" and err.value.code == "unsupported"
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="m", messages=msgs, tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+            )  # fmt: skip
+        assert err.value.param == "tool_choice"
+        forced = client.chat.completions.create(
+            model="m", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=6, seed=1
+        )
+        choice = forced.choices[0]
+        met = choice.model_extra["tool_choice_met"]
+        assert met is bool(choice.message.tool_calls)
+        assert (choice.finish_reason == "tool_calls") is met
+        assert recorder.flush(30)
+
+    calls = calls_of(by_rollout(consume(kafka_settings))[ro["rollout_id"]])
+    assert len(calls) == 2  # the refused requests are not recorded
+    assert calls[0].completion_logprobs.tolist() == pytest.approx([e.logprob for e in content])

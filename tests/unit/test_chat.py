@@ -23,6 +23,7 @@ from rollstream.producers.proxy.chat import (
     normalize_messages,
     normalize_tools,
     parse_reply,
+    read_replies,
     read_reply,
     render_prompt,
     render_text,
@@ -391,3 +392,74 @@ def test_chat_modules_are_pure(name: str) -> None:
     forbidden = {"httpx", "starlette", "uvicorn", "confluent_kafka", "faust", "clickhouse_connect",
                  "chdb", "aiokafka"}  # fmt: skip
     assert roots & forbidden == set()
+
+
+def test_read_replies_remembers_every_choice_and_the_next_turn_follows_the_one_sent_back(
+    chat: ChatTemplate,
+) -> None:
+    """n choices of one request: each reply is remembered at the request's position, so the
+    next request splices in the generated ids of whichever choice the harness sent back; equal
+    texts are one key and choice 0's ids win."""
+    mem = ChatMemory()
+    user = [{"role": "user", "content": "Name a colour."}]
+    turn = render_turn(chat, mem, messages=user)
+    texts = ["Red", "Blue", "Red"]
+    gens = [np.concatenate([byte_ids(chat, t), eos(chat)]) for t in texts]  # non-canonical
+    gens[2] = np.concatenate([chat.encode("Red"), eos(chat)])  # same text, other ids
+    replies = read_replies(chat, mem, turn, [(g, None, None) for g in gens], ["c0", "c1", "c2"])
+    assert [r.content for r in replies] == texts
+    for k, want in ((1, "c1"), (0, "c0"), (2, "c0")):  # choice 2's text is choice 0's
+        back = [*user, replies[k].message(), {"role": "user", "content": "Another."}]
+        nxt = render_turn(chat, mem, messages=back)
+        assert nxt.prompt.reused == 1
+        gen = mem.lookup(1, message_key(texts[k]))
+        assert gen is not None and gen.call_id == want
+        start = len(turn.prompt.ids)
+        spliced = nxt.prompt.ids[start : start + len(gen.ids)]
+        assert spliced.tolist() == gen.ids.tolist()
+        assert nxt.prompt.ids[:start].tolist() == turn.prompt.ids.tolist()
+
+
+def test_read_reply_gives_the_text_of_each_alternative(chat: ChatTemplate) -> None:
+    mem = ChatMemory()
+    turn = render_turn(chat, mem, messages=[{"role": "user", "content": "hi"}])
+    gen = chat.encode("Hello there")
+    alts = [[int(t), int(chat.encode("x")[0])] for t in gen.tolist()]
+    reply = read_reply(chat, mem, turn, gen, "c1", token_texts=True, top_ids=alts)
+    assert reply.token_texts is not None and reply.top_texts is not None
+    assert [t[0] for t in reply.top_texts] == reply.token_texts
+    assert all(t[1] == "x" for t in reply.top_texts)
+    assert "".join(reply.token_texts) == "Hello there"
+    plain = read_reply(chat, mem, turn, gen, "c2", token_texts=True)
+    assert plain.top_texts is None and plain.tool_choice_met is None
+
+
+def test_tool_choice_none_required_and_named(chat: ChatTemplate) -> None:
+    """ "none" keeps the tools in the prompt (the same prompt as "auto") but parses no tool call;
+    "required" and a named function are checked against the tools and reported as met or not
+    (no constrained decoding: the reply is what was sampled)."""
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    tools2 = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    auto = render_turn(chat, ChatMemory(), messages=user, tools=tools2, tool_choice="auto")
+    none = render_turn(chat, ChatMemory(), messages=user, tools=tools2, tool_choice="none")
+    assert none.prompt.ids.tolist() == auto.prompt.ids.tolist()
+    assert auto.tools_enabled and not none.tools_enabled
+    assert auto.required_tool is None and none.required_tool is None
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    gen = np.concatenate([chat.encode(call), eos(chat)])
+    assert read_reply(chat, ChatMemory(), none, gen, "c").tool_calls == []
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases = [("required", gen, True), ("required", chat.encode("no tool"), False),
+             ({"type": "function", "function": {"name": "get_weather"}}, gen, True),
+             (named, gen, False)]  # fmt: skip
+    for choice, ids, met in cases:
+        mem = ChatMemory()
+        turn = render_turn(chat, mem, messages=user, tools=tools2, tool_choice=choice)
+        assert turn.tools_enabled and turn.required_tool is not None
+        assert turn.prompt.ids.tolist() == auto.prompt.ids.tolist()
+        assert read_reply(chat, mem, turn, ids, "c").tool_choice_met is met, choice
+    bad = [({"type": "function", "function": {"name": "nope"}}, tools2), ("required", None)]
+    for choice, tools in bad:
+        with pytest.raises(ChatInputError) as err:
+            render_turn(chat, ChatMemory(), messages=user, tools=tools, tool_choice=choice)
+        assert (err.value.param, err.value.code) == ("tool_choice", "invalid_value")

@@ -16,9 +16,10 @@ from starlette.applications import Starlette
 from ulid import ULID
 
 from rollstream.inference.tinymodel import CHAT_TEMPLATE, train_tokenizer
-from rollstream.producers import MemoryTransport, Recorder
+from rollstream.producers import ContextTrie, MemoryTransport, Recorder
 from rollstream.producers.proxy.app import ProxyApp, _fast_route, create_app
 from rollstream.producers.proxy.backends import (
+    BackendKind,
     BackendRejected,
     BackendUnavailable,
     CompletionBackend,
@@ -29,6 +30,7 @@ from rollstream.producers.proxy.pool import BackendPool
 from rollstream.producers.proxy.rollout_api import RolloutTokens
 from rollstream.producers.proxy.service import new_ulid
 from rollstream.producers.proxy.settings import ProxySettings
+from rollstream.schemas import LlmCall, RolloutError
 
 ADMIN = "unit-admin"
 
@@ -113,7 +115,7 @@ def test_raw_asgi_routes_answer_like_the_starlette_routes(chat: ChatTemplate) ->
             (chat_a, {"content": b"[1]", "headers": auth}, 400),
             (chat_a, {"json": {"messages": [{"role": "user"}]}, "headers": auth}, 400),
             (chat_a, {"json": {**ok, "temperature": "hot"}, "headers": auth}, 400),
-            (chat_a, {"json": {**ok, "n": 2}, "headers": auth}, 400),
+            (chat_a, {"json": {**ok, "n": 17}, "headers": auth}, 400),
             (chat_a, {"json": ok}, 401),
             (chat_a, {"json": ok, "headers": {"Authorization": "Bearer rs1.x.y"}}, 401),
             (chat_a, {"json": ok, "headers": {"Authorization": f"Bearer {b['token']}"}}, 403),
@@ -351,3 +353,215 @@ def test_the_service_knows_no_http_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class Sampler:
+    """A backend in process that answers each completion with the next of ``replies`` and,
+    when asked for ``logprobs=k``, k alternatives per token (plus the sampled one, as vLLM and
+    the reference server do); it keeps the request bodies."""
+
+    def __init__(self, chat: ChatTemplate, texts: list[str]) -> None:
+        assert chat.eos_id is not None
+        self.replies = [[*chat.encode(t).tolist(), chat.eos_id] for t in texts]
+        self.bodies: list[dict[str, Any]] = []
+        self.status = 200
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":
+            return httpx.Response(200, json={"policy_version": 0})
+        if self.status != 200:
+            return httpx.Response(self.status, json={"error": {"message": "nope"}})
+        body = json.loads(request.content)
+        ids = self.replies[len(self.bodies) % len(self.replies)]
+        self.bodies.append(body)
+        k = body["logprobs"]
+        tops = [{f"token_id:{t}": -0.5, **{f"token_id:{1000 + a}": -1.0 - a for a in range(k)}}
+                for t in ids]  # fmt: skip
+        return httpx.Response(200, json={"model": "m", "choices": [{
+            "token_ids": ids, "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-0.5] * len(ids), "top_logprobs": tops}}]})  # fmt: skip
+
+
+def sampler_app(
+    chat: ChatTemplate, sampler: Sampler, kind: BackendKind = "reference"
+) -> tuple[ProxyApp, Recorder, MemoryTransport]:
+    settings = ProxySettings(spool_dir=None, proxy_api_keys=[ADMIN])
+    transport = MemoryTransport()
+    recorder = Recorder(settings, transport=transport)
+    http = httpx.AsyncClient(transport=httpx.MockTransport(sampler.handle))
+    backend = CompletionBackend("http://b", "b", kind=kind, http=http)
+    pool = BackendPool([backend], health_interval_s=0, backend_wait_s=0.2)
+    return create_app(settings, recorder=recorder, pool=pool, chat=chat), recorder, transport
+
+
+def recorded(recorder: Recorder, transport: MemoryTransport) -> list[Any]:
+    assert recorder.flush(10)
+    return [recorder.codec.decode(m.value).body for m in transport.messages(recorder.topic)]
+
+
+def test_n_choices_are_n_recorded_samples_of_one_prompt(chat: ChatTemplate) -> None:
+    """n=3: three backend samples (seeds s, s+1, s+2), three choices, usage over all of them,
+    three LlmCalls with the same full prompt; the next turn extends the choice sent back.
+    Streamed, each chunk carries its choice's index."""
+    sampler = Sampler(chat, ["Red.", "Blue sky.", "Green"])
+    app, recorder, transport = sampler_app(chat, sampler)
+    proxy = app.state.proxy
+
+    async def main() -> tuple[list[str], list[int], int]:
+        await proxy.pool.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p")
+        ro = proxy.create_rollout(task_id="t", group_id="g", base_url="http://p")
+        url, auth = "/v1/chat/completions", {"Authorization": f"Bearer {ro['token']}"}
+        user = [{"role": "user", "content": "Name a colour."}]
+        r = await client.post(url, headers=auth, json={
+            "messages": user, "n": 3, "seed": 7, "return_token_ids": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        contents = [c["message"]["content"] for c in body["choices"]]
+        assert sorted(contents) == ["Blue sky.", "Green", "Red."]
+        assert sorted(b["seed"] for b in sampler.bodies) == [7, 8, 9]
+        assert body["usage"]["completion_tokens"] == sum(len(x) for x in sampler.replies)
+        prompt_len = body["usage"]["prompt_tokens"]
+        assert all(len(c["prompt_token_ids"]) == prompt_len for c in body["choices"])
+        ext = body["rollstream"]
+        assert len(ext["call_ids"]) == 3 and ext["call_id"] == ext["call_ids"][0]
+        assert body["id"] == f"chatcmpl-{ext['call_id']}"
+        # the harness keeps choice 2: the next call extends it
+        kept = body["choices"][2]
+        back = [*user, kept["message"], {"role": "user", "content": "Why?"}]
+        r2 = await client.post(url, headers=auth, json={"messages": back})
+        assert r2.status_code == 200, r2.text
+        # streamed: per choice a role, content and finish chunk, then usage
+        r3 = await client.post(url, headers=auth, json={
+            "messages": user, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}})  # fmt: skip
+        chunks = [json.loads(x.removeprefix("data: ")) for x in r3.text.split("\n\n")
+                  if x.startswith("data: {")]  # fmt: skip
+        texts = {0: "", 1: ""}
+        finishes: dict[int, str] = {}
+        for ch in chunks[:-1]:
+            (c,) = ch["choices"]
+            texts[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"]:
+                finishes[c["index"]] = c["finish_reason"]
+        assert finishes == {0: "stop", 1: "stop"} and all(texts.values())
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+        await proxy.pool.aclose()
+        return ext["call_ids"], kept["token_ids"], prompt_len
+
+    try:
+        call_ids, kept_ids, prompt_len = asyncio.run(asyncio.wait_for(main(), 30))
+        calls = [e for e in recorded(recorder, transport) if isinstance(e, LlmCall)]
+    finally:
+        recorder.close(5)
+    assert [c.call_id for c in calls[:3]] == call_ids and len(calls) == 6
+    trie = ContextTrie()
+    prompts = [trie.add_delta(c.call_id, c.parent_call_id, c.prefix_len, c.prompt_delta,
+                              c.completion_ids) for c in calls]  # fmt: skip
+    assert all(p.tolist() == prompts[0].tolist() for p in prompts[1:3])
+    assert len(prompts[0]) == prompt_len
+    for i in (1, 2):  # beside choice 0's completion: the whole prompt shared, nothing new
+        assert calls[i].parent_call_id == call_ids[i - 1]
+        assert calls[i].prefix_len == prompt_len and len(calls[i].prompt_delta) == 0
+    nxt = calls[3]  # the turn after: choice 2's sequence is its prefix
+    assert nxt.parent_call_id == call_ids[2]
+    assert nxt.prefix_len == prompt_len + len(kept_ids)
+    assert prompts[3][prompt_len : prompt_len + len(kept_ids)].tolist() == kept_ids
+
+
+def test_top_logprobs_response_format_and_tool_choice(chat: ChatTemplate) -> None:
+    """top_logprobs=k: k alternatives per token in OpenAI's chat shape, best first, the
+    backend asked for k; the recorded LlmCall keeps the sampled tokens' logprobs only.
+    response_format json_object/json_schema: 400 on a reference backend, passed on to vLLM.
+    tool_choice "required" without a tool call in the reply: answered as sampled, flagged."""
+    sampler = Sampler(chat, ["Hello there."])
+    app, recorder, transport = sampler_app(chat, sampler)
+    proxy = app.state.proxy
+    user = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+
+    async def main() -> None:
+        await proxy.pool.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p")
+        ro = proxy.create_rollout(task_id="t", group_id="g", base_url="http://p")
+        url, auth = "/v1/chat/completions", {"Authorization": f"Bearer {ro['token']}"}
+
+        async def post(**kw: Any) -> tuple[int, dict[str, Any]]:
+            r = await client.post(url, headers=auth, json={"messages": user, **kw})
+            return r.status_code, r.json()
+
+        status, body = await post(logprobs=True, top_logprobs=2)
+        assert status == 200 and sampler.bodies[-1]["logprobs"] == 2
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == len(sampler.replies[0])
+        for entry, t in zip(content, sampler.replies[0], strict=True):
+            assert entry["logprob"] == -0.5 and entry["bytes"] == list(entry["token"].encode())
+            assert [a["logprob"] for a in entry["top_logprobs"]] == [-0.5, -1.0]
+            assert entry["top_logprobs"][0]["token"] == chat.tokenizer.decode(
+                [t], skip_special_tokens=False
+            )
+        status, body = await post(logprobs=True)
+        assert status == 200 and sampler.bodies[-1]["logprobs"] == 0
+        assert all(e["top_logprobs"] == [] for e in body["choices"][0]["logprobs"]["content"])
+        for bad, param, code in (
+            ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+            ({"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+             "response_format", "unsupported"),
+            ({"response_format": {"type": "yaml"}}, "response_format", "invalid_value"),
+            ({"tool_choice": "sometimes", "tools": tools}, "tool_choice", "invalid_value"),
+            ({"tool_choice": "required"}, "tool_choice", "invalid_value"),  # no tools
+            ({"tool_choice": {"type": "function", "function": {"name": "other"}},
+              "tools": tools}, "tool_choice", "invalid_value"),
+        ):  # fmt: skip
+            status, body = await post(**bad)
+            assert (status, body["error"]["param"], body["error"]["code"]) == (400, param, code)
+        assert (await post(response_format={"type": "text"}))[0] == 200
+        status, body = await post(tool_choice="required", tools=tools)
+        assert status == 200
+        choice = body["choices"][0]
+        assert choice["tool_choice_met"] is False and choice["finish_reason"] == "stop"
+        assert choice["message"]["content"] == "Hello there."
+        status, body = await post(tool_choice="auto", tools=tools)
+        assert status == 200 and "tool_choice_met" not in body["choices"][0]
+        r = await client.post(f"/rollouts/{ro['rollout_id']}/v1/completions", headers=auth,
+                              json={"prompt": "Hi", "n": 2})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+        # one failure among n samples: the call fails once, recorded once
+        sampler.status = 422
+        status, body = await post(n=3)
+        assert status == 400 and body["error"]["code"] == "backend_rejected"
+        await proxy.pool.aclose()
+
+    try:
+        run(main)
+        events = recorded(recorder, transport)
+    finally:
+        recorder.close(5)
+    calls = [e for e in events if isinstance(e, LlmCall)]
+    assert len(calls) == 5 and len([e for e in events if isinstance(e, RolloutError)]) == 1
+    assert calls[0].completion_logprobs.tolist() == [-0.5] * len(sampler.replies[0])
+
+    # a vLLM pool decodes under a grammar: response_format goes to the backend as sent
+    vllm = Sampler(chat, ['{"a": 1}'])
+    app, recorder, _ = sampler_app(chat, vllm, kind="vllm")
+    proxy = app.state.proxy
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+
+    async def via_vllm() -> None:
+        await proxy.pool.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p")
+        ro = proxy.create_rollout(task_id="t", group_id="g", base_url="http://p")
+        body = {"messages": user, "response_format": fmt}
+        auth = {"Authorization": f"Bearer {ro['token']}"}
+        r = await client.post("/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == '{"a": 1}'
+        assert vllm.bodies[-1]["response_format"] == fmt
+        await proxy.pool.aclose()
+
+    try:
+        run(via_vllm)
+    finally:
+        recorder.close(5)
