@@ -74,14 +74,22 @@ def _marked(sandbox_id: str, proc: Path) -> list[int]:
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also removes what a sandbox made unwritable (its own dirs at mode 0500)."""
+    """rmtree that also removes what a sandbox made unwritable (its own dirs at mode 0500), and
+    that another process removing the same tree at the same time (two reapers) does not fail."""
     if not (path.exists() or path.is_symlink()):
         return
     try:
-        shutil.rmtree(path)
+        shutil.rmtree(path, onerror=_gone_is_fine)
     except PermissionError:  # not as root: a dir without write permission for its owner
         _open_up(path)
-        shutil.rmtree(path)
+        shutil.rmtree(path, onerror=_gone_is_fine)
+
+
+def _gone_is_fine(
+    func: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]
+) -> None:
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
 
 
 def _open_up(path: Path) -> None:

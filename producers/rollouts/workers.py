@@ -371,7 +371,7 @@ class Service:
             kill_marked_processes(sandbox_id)
         try:
             provider.remove(sandbox_id)
-        except SandboxError:
+        except (SandboxError, OSError):  # the reaper takes what is left
             log.warning("sandbox %s could not be removed", sandbox_id, exc_info=True)
 
     def _retry(self, msg: StageMessage) -> None:
@@ -419,7 +419,11 @@ class Service:
                 except ValueError:
                     self.claims.remove(rid)
                     continue
-                self.abandon(msg, found, f"{found.stage}: the worker holding it stopped")
+                try:
+                    self.abandon(msg, found, f"{found.stage}: the worker holding it stopped")
+                except (SandboxError, OSError) as exc:  # the next sweep tries again
+                    log.warning("sweep: rollout %s: %s", rid, exc)
+                    continue
                 abandoned.append(rid)
         claimed = self.claims.sandbox_ids()
         with self._lock:
@@ -429,7 +433,7 @@ class Service:
                 if record.id not in claimed and record.reap_reason() is not None:
                     if provider.kind in ("bwrap", "local"):
                         kill_marked_processes(record.id)
-                    with contextlib.suppress(SandboxError):
+                    with contextlib.suppress(SandboxError, OSError):  # another reaper's race
                         provider.remove(record.id)
         return abandoned
 
@@ -609,6 +613,15 @@ class _JobWatcher(threading.Thread):
             self.consumer.close()
 
 
+def _sweep(service: Service) -> None:
+    """One sweep; what fails in it (the proxy away, another worker removing the same sandbox)
+    is logged and left to the next one, never the end of the worker."""
+    try:
+        service.sweep()
+    except (RolloutCallError, KafkaException, SandboxError, OSError) as exc:
+        log.warning("sweep: %s", exc)
+
+
 def run_workers(
     settings: RolloutSettings,
     *,
@@ -625,7 +638,7 @@ def run_workers(
     service = Service(settings, stop, environ)
     stages = stages_of(settings.rollouts_stages)
     try:
-        service.sweep()
+        _sweep(service)
         watcher = _JobWatcher(service)
         watcher.start()
         workers = [StageWorker(service, s, settings.rollouts_concurrency) for s in stages]
@@ -637,10 +650,7 @@ def run_workers(
         if on_ready is not None:
             on_ready()
         while not stop.wait(settings.rollouts_sweep_s):
-            try:
-                service.sweep()
-            except (RolloutCallError, KafkaException, OSError) as exc:
-                log.warning("sweep: %s", exc)
+            _sweep(service)
         for w in workers:
             w.join(timeout=30)
         return 1 if any(w.error for w in workers) else 0
