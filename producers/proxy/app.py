@@ -137,8 +137,8 @@ def _response(answer: Answer) -> Response:
     return Response(answer.body, answer.status, answer.headers, media_type="application/json")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object: 413 past ``limit`` bytes, 400 if not a JSON object."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body: 413 past ``limit`` bytes."""
     too_large(request.headers.get("content-length"), limit)
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -146,7 +146,12 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
         chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object: 413 past ``limit`` bytes, 400 if not a JSON object."""
+    return parse_json(await read_body(request, limit))
 
 
 def _route(handler: Handler, limit: int) -> Callable[[Request], Any]:
@@ -158,6 +163,9 @@ def _route(handler: Handler, limit: int) -> Callable[[Request], Any]:
         async def body() -> dict[str, Any]:
             return await read_json(request, limit)
 
+        async def raw() -> bytes:
+            return await read_body(request, limit)
+
         http = HttpRequest(
             token=bearer_token(request.headers.get("authorization"))
             or request.headers.get("x-api-key"),  # Anthropic's client sends its key there
@@ -165,6 +173,8 @@ def _route(handler: Handler, limit: int) -> Callable[[Request], Any]:
             query=request.query_params,
             base_url=str(request.base_url),
             read_json=body,
+            read_bytes=raw,
+            headers=request.headers,
         )
         try:
             answer = await handler(http)

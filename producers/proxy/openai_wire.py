@@ -87,6 +87,7 @@ __all__ = [
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error", 502: "backend_error", 503: "service_unavailable",
 }  # fmt: skip
 
@@ -105,10 +106,16 @@ class HttpRequest:
     query: Mapping[str, str]
     base_url: str
     read_json: Callable[[], Awaitable[dict[str, Any]]]
+    read_bytes: Callable[[], Awaitable[bytes]] | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
 
     async def json(self) -> dict[str, Any]:
         """The body as a JSON object (413 past the body limit, 400 if not a JSON object)."""
         return await self.read_json()
+
+    async def body(self) -> bytes:
+        """The body as it came (413 past the body limit)."""
+        return b"" if self.read_bytes is None else await self.read_bytes()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,11 @@ _MESSAGES = _schema(
     tool_choice=_OBJ, stream=_B, temperature=_N, top_p=_N, stop_sequences=_ANY, metadata=_OBJ,
     thinking=_OBJ, service_tier=_S,
 )  # fmt: skip
+_RESPONSES = _schema(
+    "input", model=_S, input=_ANY, instructions=_S, tools=_LIST, tool_choice=_ANY, stream=_B,
+    max_output_tokens=_I, temperature=_N, top_p=_N, store=_B, parallel_tool_calls=_B,
+    metadata=_OBJ, reasoning=_OBJ, text=_OBJ, include=_ANY, truncation=_S, user=_S,
+)  # fmt: skip
 _ROLLOUT = _schema(
     "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_I, harness=_S, group_size=_I,
     run_id=_S, sampling=_OBJ, metadata=_OBJ,
@@ -50,6 +55,7 @@ _LIFECYCLE = _schema(
         evaluator=_S, passed=_I, total=_I, output=_S, output_truncated=_B,
     )},
 )  # fmt: skip
+_OTLP = _schema("", resourceSpans=_LIST)  # OTLP/JSON; protobuf: the same message
 _WEIGHTS = _schema("path version", path=_S, version=_I)
 _JOB = _schema("tasks agent", job_id=_S, tasks=_OBJ, samples_per_task=_I, agent=_OBJ,
                sandbox=_OBJ, evaluator=_OBJ, timeouts=_OBJ, attempts=_I, run_id=_S,
@@ -65,6 +71,9 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/rollouts/{rollout_id}/v1/messages", "post",
      "Anthropic Messages call, recorded (token as bearer or x-api-key; Anthropic error objects)",
      "rolloutToken", _MESSAGES, _CALL),
+    ("/rollouts/{rollout_id}/v1/responses", "post",
+     "OpenAI Responses call, recorded (nothing stored: no previous_response_id)",
+     "rolloutToken", _RESPONSES, _CALL),
     ("/rollouts/{rollout_id}/v1/models", "get", "the served model", "rolloutToken", None, _ROLL),
     ("/v1/chat/completions", "post", "chat completion; the token names the rollout",
      "rolloutToken", _CHAT, _CALL),
@@ -72,6 +81,8 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
      _TEXT, _CALL),
     ("/v1/messages", "post", "Anthropic Messages call; the token names the rollout",
      "rolloutToken", _MESSAGES, _CALL),
+    ("/v1/responses", "post", "OpenAI Responses call; the token names the rollout",
+     "rolloutToken", _RESPONSES, _CALL),
     ("/v1/models", "get", "the served model", None, None, ""),
     ("/v1/rollouts", "post", "create a rollout -> base_url + token", "adminKey", _ROLLOUT,
      "400 401 409"),
@@ -85,6 +96,10 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/rollouts/{rollout_id}/events", "post",
      "record lifecycle facts (stage, sandbox, evaluator output)", "adminKey", _LIFECYCLE,
      _ROLL),
+    ("/v1/traces", "post",
+     "OTLP/HTTP trace export (ExportTraceServiceRequest, application/x-protobuf or "
+     "application/json): GenAI spans become rollout events", "adminKey", _OTLP,
+     "400 401 413 415"),
     ("/v1/jobs", "post", "queue a rollout job (202 {job_id, rollouts, topic})", "adminKey",
      _JOB, "400 401 409 413 503"),
     ("/v1/jobs", "get", "the submitted jobs", "adminKey", None, "401 503"),

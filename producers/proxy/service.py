@@ -12,9 +12,12 @@ Routes (docs/proxy.md; GET /openapi.json describes them; ``Proxy.endpoints()`` i
     POST /rollouts/{rollout_id}/v1/messages           Anthropic's Messages API (messages_api.py)
     POST /v1/chat/completions, /v1/completions        the same; the rollout is the token's
     POST /v1/messages
+    POST /rollouts/{rollout_id}/v1/responses, /v1/responses   OpenAI's Responses API
+                                                               (responses_api.py)
     GET  /v1/models, /health, /openapi.json
-    the rollout API (rollout_api.py), the job routes /v1/jobs (jobs_api.py) and the admin
-    routes /v1/admin/{pause,drain,resume,update_weights,status}
+    the rollout API (rollout_api.py), the job routes /v1/jobs (jobs_api.py), the OTLP/HTTP
+    trace receiver /v1/traces (otlp_api.py) and the admin routes
+    /v1/admin/{pause,drain,resume,update_weights,status}
 
 One request, one pipeline. After the rollout token is checked (``open_rollout``) and the body
 read (413 past the limit), a chat call is seven steps, each one function called once, in this
@@ -104,8 +107,10 @@ from rollstream.producers.proxy.openai_wire import (
     text_answer,
 )
 from rollstream.producers.proxy.openapi import OPENAPI
+from rollstream.producers.proxy.otlp_api import OtlpApi
 from rollstream.producers.proxy.policy_watch import PolicyWatcher
 from rollstream.producers.proxy.pool import BackendPool
+from rollstream.producers.proxy.responses_api import ResponsesApi
 from rollstream.producers.proxy.rollout_api import (
     Auth,
     OpenRollout,
@@ -174,6 +179,7 @@ class Proxy:
         self.rollouts = Rollouts(recorder, pool)
         self.api = RolloutApi(self.rollouts, self.auth, public_url=s.proxy_public_url)
         self.jobs = JobsApi(settings, self.auth)
+        self.otlp = OtlpApi(self.rollouts, self.auth, max_body_bytes=s.proxy_max_body_bytes)
         self.max_model_len = s.proxy_max_model_len or chat.max_model_len
         self.max_prompt = s.proxy_max_prompt_tokens or self.max_model_len
         self.model = s.proxy_model_name
@@ -566,13 +572,14 @@ class Proxy:
                 "created_rollouts": r.created,
                 "drift_tokens_open": sum(ro.drift_tokens for ro in r.open.values()),
                 "delivery": dataclasses.asdict(self.recorder.stats),
+                "otlp": dataclasses.asdict(self.otlp.stats),
             }
         )
 
     def endpoints(self) -> list[Endpoint]:
         """Every route of the proxy. The model-call POSTs (the first four) are also served by
         app.py's raw ASGI fast path, with the same answers."""
-        api, anthropic = self.api, MessagesApi(self)
+        api, anthropic, responses = self.api, MessagesApi(self), ResponsesApi(self)
         table: list[tuple[str, str, Handler]] = [
             ("/rollouts/{rollout_id}/v1/chat/completions", "POST", self.chat_completions),
             ("/rollouts/{rollout_id}/v1/completions", "POST", self.completions),
@@ -580,6 +587,8 @@ class Proxy:
             ("/v1/completions", "POST", self.completions),
             ("/rollouts/{rollout_id}/v1/messages", "POST", anthropic.messages),
             ("/v1/messages", "POST", anthropic.messages),
+            ("/rollouts/{rollout_id}/v1/responses", "POST", responses.responses),
+            ("/v1/responses", "POST", responses.responses),
             ("/rollouts/{rollout_id}/v1/models", "GET", self.models),
             ("/v1/models", "GET", self.models),
             ("/v1/rollouts", "POST", api.create),
@@ -588,6 +597,7 @@ class Proxy:
             ("/v1/rollouts/{rollout_id}/tool_calls", "POST", api.tool_calls),
             ("/v1/rollouts/{rollout_id}/finish", "POST", api.finish),
             ("/v1/rollouts/{rollout_id}/events", "POST", api.events),
+            ("/v1/traces", "POST", self.otlp.traces),
             ("/v1/jobs", "POST", self.jobs.submit),
             ("/v1/jobs", "GET", self.jobs.list),
             ("/v1/jobs/{job_id}", "GET", self.jobs.status),

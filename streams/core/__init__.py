@@ -34,7 +34,7 @@ from .groups import (
     expire_group,
     should_evict_group,
 )
-from .samples import build_samples, sample_id
+from .samples import build_samples, is_text_only, sample_id, text_only_calls
 from .scoring import SCORERS, Score, ScoreFn, ScoreSource, default_score, final_only_score
 from .snapshot import state_from_bytes, state_to_bytes
 from .trajectory import (
@@ -85,6 +85,7 @@ __all__ = [
     "expire",
     "expire_group",
     "final_only_score",
+    "is_text_only",
     "is_zero_variance",
     "replay",
     "sample_id",
@@ -92,4 +93,5 @@ __all__ = [
     "should_evict_group",
     "state_from_bytes",
     "state_to_bytes",
+    "text_only_calls",
 ]

@@ -14,6 +14,12 @@ logprob, policy version), the mask 1 exactly on generated (completion) tokens.
   and computed once. loss_weight = leaves in the tree / leaves in the rollout, so each path's
   weight W/L equals its path-mode weight (see consumers/treepack.py).
 
+Text-only calls (an LlmCall with no tokens at all: no parent, prefix_len 0, empty arrays; what
+the proxy's OTLP receiver records for a span without token ids) are never in a sample: only
+tokens are laid out and they have none, so a rollout of text-only calls alone yields no sample,
+and in a mixed one only the token calls are trained on (the text-only calls' text reaches them
+as prompt tokens, masked 0). ``text_only_calls`` counts them in a trajectory.
+
 sample_id = blake2b-128 hex of "mode \\x1f rollout_id \\x1f call ids from the root to the leaf"
 (tree mode: the tree's first root call): the same trajectory always yields the same ids and
 bytes.
@@ -49,7 +55,7 @@ from rollstream.schemas.events import (
 from .config import SampleConfig
 from .trie import Piece, TokenTrie, join_buffers
 
-__all__ = ["build_samples", "sample_id"]
+__all__ = ["build_samples", "is_text_only", "sample_id", "text_only_calls"]
 
 _SEP = "\x1f"
 _DEFAULT = SampleConfig()
@@ -64,6 +70,30 @@ Arrays = tuple[Array, Array, Array, Array]  # (ids, loss mask, logprobs, token v
 def sample_id(mode: SampleMode | str, rollout_id: str, call_ids: Sequence[str]) -> str:
     """Deterministic id of a sample: blake2b-128 hex of mode, rollout and call-id chain."""
     return _hasher(mode, rollout_id, call_ids).hexdigest()
+
+
+def is_text_only(node: TrajectoryNode) -> bool:
+    """A model call recorded without token ids: no parent, no prefix, no tokens."""
+    return (
+        node.parent_call_id is None
+        and node.prefix_len == 0
+        and not len(node.prompt_tokens)
+        and not len(node.completion_ids)
+    )
+
+
+def text_only_calls(trajectory: Trajectory) -> int:
+    """How many of the trajectory's calls were text-only (duplicates merged into a text-only
+    node, ``rollstream.merged.*`` in its metadata, count too)."""
+    nodes = {n.call_id for n in trajectory.nodes if is_text_only(n)}
+    if not nodes:
+        return 0
+    merged = sum(
+        1
+        for key, kept in trajectory.metadata.items()
+        if key.startswith("rollstream.merged.") and kept in nodes
+    )
+    return len(nodes) + merged
 
 
 def build_samples(

@@ -1,0 +1,218 @@
+"""``POST /v1/responses`` (and ``/rollouts/{rollout_id}/v1/responses``): the OpenAI Responses API
+over the proxy's chat pipeline, so a harness built on it (Codex-style, or the openai client's
+``responses.create``) points its base URL at ``<proxy>/rollouts/{rollout_id}/v1`` and every call
+becomes an LlmCall of the rollout.
+
+A Responses call is the chat call's seven steps (service.py) with the Responses wire at both
+ends:
+
+    1 parse      responses_wire.parse_responses_request   the request in the chat form (400); a
+                                                          JSON text.format the pool cannot
+                                                          decode under is refused (400)
+    2 render     chat.render_turn                         the same render as a chat completion:
+                                                          earlier replies' generated ids spliced
+                                                          in, function_call_output items found
+                                                          as tool results
+    3 budget     Proxy._budget                            400 context_length_exceeded (param
+                                                          ``input`` or ``max_output_tokens``)
+    4 generate   Proxy._generate                          pool, failover, 429 while paused
+    5 read       chat.read_reply                          text and tool calls; the reply
+                                                          remembered, so its function_call
+                                                          items coming back chain the next call
+    6 record     Proxy._record                            tool results, then the LlmCall
+    7 answer     responses_wire.response_answer           the Response, or its SSE events
+
+Nothing is stored: ``previous_response_id`` is refused, the harness sends the conversation
+(``store: false``, as Codex does). Errors are OpenAI's error objects; a 409 (finished rollout)
+carries ``x-should-retry: false`` so the openai client does not retry it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from rollstream.producers.errors import ApiError, ChatError
+from rollstream.producers.proxy.backends import Completion
+from rollstream.producers.proxy.chat import ChatTemplate, ToolResult, read_reply, render_turn
+from rollstream.producers.proxy.openai_wire import (
+    Answer,
+    CallParams,
+    HttpRequest,
+    as_api_error,
+    error_answer,
+)
+from rollstream.producers.proxy.responses_wire import (
+    output_items,
+    parse_responses_request,
+    response_answer,
+    response_body,
+)
+from rollstream.producers.proxy.rollout_api import OpenRollout
+from rollstream.producers.proxy.settings import ProxySettings
+from rollstream.producers.sdk.ids import new_ulid
+
+__all__ = ["Pipeline", "ResponsesApi", "responses_error"]
+
+log = logging.getLogger("rollstream.producers.proxy.service")
+
+# chat parameter names as the Responses API names them
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+class _Pool(Protocol):
+    @property
+    def guided_decoding(self) -> bool: ...
+
+
+class Pipeline(Protocol):
+    """What a Responses call uses of the proxy (service.Proxy is one): its settings, template,
+    limits and pool, the token check, and the chat pipeline's budget, generate and record
+    steps."""
+
+    settings: ProxySettings
+    chat: ChatTemplate
+    model: str
+
+    @property
+    def pool(self) -> _Pool: ...
+
+    def open_rollout(self, token: str | None, rollout_id: str | None) -> OpenRollout: ...
+
+    def _budget(self, prompt_len: int, requested: int | None, default: int) -> int: ...
+
+    async def _generate(
+        self,
+        ro: OpenRollout,
+        call_id: str,
+        prompt: np.ndarray,
+        params: CallParams,
+        stop_token_ids: list[int],
+        max_tokens: int,
+        tool_results: list[ToolResult],
+        *,
+        response_format: dict[str, Any] | None = None,
+    ) -> list[Completion]: ...
+
+    def _record(
+        self,
+        ro: OpenRollout,
+        call_id: str,
+        prompt: np.ndarray,
+        out: Completion,
+        drift: int,
+        tool_results: list[ToolResult],
+    ) -> None: ...
+
+
+def responses_error(exc: ApiError) -> ApiError:
+    """``exc`` with the chat pipeline's parameter names in the Responses API's words
+    (``messages[2].content`` -> ``input``, ``max_tokens`` -> ``max_output_tokens``)."""
+    param = exc.param
+    if param is None:
+        return exc
+    head = param.split("[", 1)[0].split(".", 1)[0]
+    if head not in _PARAMS:
+        return exc
+    return ApiError(
+        exc.status, exc.message, param=_PARAMS[head], code=exc.code, headers=exc.headers
+    )
+
+
+class ResponsesApi:
+    """The Responses route of a proxy: ``responses`` is the route handler, ``call`` the Python
+    entry (an open rollout and a request body in, an Answer out)."""
+
+    def __init__(self, proxy: Pipeline) -> None:
+        self.proxy = proxy
+
+    async def responses(self, request: HttpRequest) -> Answer:
+        """The route: the rollout of the token (401, 403, 404, 409), the body (413, 400), the
+        call; any error as OpenAI's error object (a 500 with the reason for a bug)."""
+        try:
+            ro = self.proxy.open_rollout(request.token, request.path.get("rollout_id"))
+            return await self.call(ro, await request.json())
+        except Exception as exc:
+            if not isinstance(exc, ApiError | ChatError):
+                log.exception("unhandled error on /v1/responses")
+            err = responses_error(as_api_error(exc))
+            if err.status == 409:  # a finished rollout stays finished
+                err = ApiError(
+                    409,
+                    err.message,
+                    param=err.param,
+                    code=err.code,
+                    headers={**err.headers, "x-should-retry": "false"},
+                )
+            return error_answer(err)
+
+    async def call(self, ro: OpenRollout, body: dict[str, Any]) -> Answer:
+        """A Responses call for ``ro`` (the module docstring's seven steps). Raises ApiError or
+        ChatInputError."""
+        proxy = self.proxy
+        # 1 parse
+        request = parse_responses_request(body)
+        chat, params = request.chat, request.chat.params
+        if chat.response_format is not None and not proxy.pool.guided_decoding:
+            kind = chat.response_format["type"]
+            msg = (
+                f"text.format {kind} needs a backend with guided decoding (vLLM); this "
+                "proxy's backends cannot constrain the reply"
+            )
+            raise ApiError(400, msg, param="text.format", code="unsupported")
+        # 2 render
+        turn = render_turn(
+            proxy.chat,
+            ro.memory,
+            messages=chat.messages,
+            tools=chat.tools,
+            tool_choice=chat.tool_choice,
+        )
+        prompt = turn.prompt.ids
+        # 3 budget
+        default = proxy.settings.proxy_default_max_tokens
+        max_tokens = proxy._budget(len(prompt), params.max_tokens, default)
+        call_id = new_ulid()
+        # 4 generate
+        (out,) = await proxy._generate(  # n = 1: a Response has one output
+            ro,
+            call_id,
+            prompt,
+            params,
+            turn.stop_token_ids,
+            max_tokens,
+            turn.tool_results,
+            response_format=chat.response_format,
+        )
+        # 5 read the reply
+        reply = read_reply(
+            proxy.chat, ro.memory, turn, out.token_ids, call_id, stop_reason=out.stop_reason
+        )
+        # 6 record
+        proxy._record(ro, call_id, prompt, out, turn.prompt.drift_tokens, turn.tool_results)
+        # 7 answer
+        incomplete = out.finish_reason == "length"
+        ext: dict[str, Any] = {
+            "call_id": call_id,
+            "rollout_id": ro.rollout_id,
+            "backend": out.backend,
+            "policy_version": out.policy_version,
+            "drift_tokens": turn.prompt.drift_tokens,
+        }
+        if reply.tool_choice_met is not None:
+            ext["tool_choice_met"] = reply.tool_choice_met
+        response = response_body(
+            call_id=call_id,
+            created_at=int(time.time()),
+            model=proxy.model,
+            output=output_items(call_id, reply.content, reply.tool_calls, incomplete=incomplete),
+            incomplete=incomplete,
+            input_tokens=len(prompt),
+            output_tokens=len(out.token_ids),
+            echo=request.echo,
+            ext=ext,
+        )
+        return response_answer(response, stream=request.stream)
