@@ -5,18 +5,15 @@ over the proxy's chat pipeline, so a harness built on Anthropic's client points 
 A Messages call is the chat call's seven steps (service.py) with Anthropic's wire at both ends:
 
     1 parse      anthropic_wire.parse_messages_request   the request in the chat form (400)
-    2 render     chat.render_turn                        the same render as a chat completion:
-                                                         earlier replies' generated ids spliced
-                                                         in, tool_result blocks found as tool
-                                                         results
-    3 budget     Proxy._budget                           an overflow worded as Anthropic words
-                                                         it ("prompt is too long: N tokens > M
-                                                         maximum")
-    4 generate   Proxy._generate                         pool, failover, 429 while paused
-    5 read       chat.read_reply                         text and tool calls; the reply
-                                                         remembered, so its tool_use blocks
-                                                         coming back chain the next call
-    6 record     Proxy._record                           tool results, then the LlmCall
+    2-6          Proxy.turn                              the chat call's render (earlier
+                                                         replies' generated ids spliced in,
+                                                         tool_result blocks found as tool
+                                                         results), budget, generate, read (the
+                                                         reply remembered, so its tool_use
+                                                         blocks coming back chain the next
+                                                         call) and record; an overflow worded
+                                                         as Anthropic words it ("prompt is too
+                                                         long: N tokens > M maximum")
     7 answer     anthropic_wire.message_answer           the Message, or its SSE events
 
 The rollout token comes as ``x-api-key`` (Anthropic's client with ``api_key``) or as a bearer
@@ -26,9 +23,7 @@ token (``auth_token``). Every error, the token's included, is answered in Anthro
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from rollstream.producers.errors import ApiError, ChatError, ChatInputError
 from rollstream.producers.proxy.anthropic_wire import (
@@ -41,50 +36,13 @@ from rollstream.producers.proxy.anthropic_wire import (
     prompt_too_long,
     stop_reason,
 )
-from rollstream.producers.proxy.backends import Completion
-from rollstream.producers.proxy.chat import ChatTemplate, ToolResult, read_reply, render_turn
-from rollstream.producers.proxy.openai_wire import Answer, CallParams, HttpRequest, as_api_error
+from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, as_api_error
 from rollstream.producers.proxy.rollout_api import OpenRollout
-from rollstream.producers.sdk.ids import new_ulid
+from rollstream.producers.proxy.turns import Pipeline
 
 __all__ = ["MessagesApi", "Pipeline"]
 
 log = logging.getLogger("rollstream.producers.proxy.service")
-
-
-class Pipeline(Protocol):
-    """What a Messages call uses of the proxy (service.Proxy is one): its template and limits,
-    the token check, and the chat pipeline's budget, generate and record steps."""
-
-    chat: ChatTemplate
-    model: str
-    max_prompt: int
-    max_model_len: int
-
-    def open_rollout(self, token: str | None, rollout_id: str | None) -> OpenRollout: ...
-
-    def _budget(self, prompt_len: int, requested: int | None, default: int) -> int: ...
-
-    async def _generate(
-        self,
-        ro: OpenRollout,
-        call_id: str,
-        prompt: np.ndarray,
-        params: CallParams,
-        stop_token_ids: list[int],
-        max_tokens: int,
-        tool_results: list[ToolResult],
-    ) -> list[Completion]: ...
-
-    def _record(
-        self,
-        ro: OpenRollout,
-        call_id: str,
-        prompt: np.ndarray,
-        out: Completion,
-        drift: int,
-        tool_results: list[ToolResult],
-    ) -> None: ...
 
 
 class MessagesApi:
@@ -112,46 +70,16 @@ class MessagesApi:
         # 1 parse
         request = parse_messages_request(body)
         chat, params = request.chat, request.chat.params
-        # 2 render
+        # 2-6: Proxy.turn (max_tokens is required here: no default)
         try:
-            turn = render_turn(
-                proxy.chat,
-                ro.memory,
-                messages=chat.messages,
-                tools=chat.tools,
-                tool_choice=chat.tool_choice,
-                stop=params.stop,
-            )
+            done = await proxy.turn(ro, chat, default_max_tokens=1, overflow=self._overflow)
         except ChatInputError as exc:
             if exc.param != "stop":
                 raise
             msg = str(exc).replace("`stop` strings", "stop sequences")
             raise ChatInputError(msg, "stop_sequences", code=exc.code) from exc
-        prompt = turn.prompt.ids
-        # 3 budget
-        try:
-            max_tokens = proxy._budget(len(prompt), params.max_tokens, 1)
-        except ApiError as exc:
-            if exc.code != "context_length_exceeded":
-                raise
-            raise self._overflow(exc, len(prompt), params.max_tokens or 1) from exc
-        call_id = new_ulid()
-        # 4 generate
-        try:
-            (out,) = await proxy._generate(  # n = 1: Messages has no choices
-                ro, call_id, prompt, params, turn.stop_token_ids, max_tokens, turn.tool_results
-            )
-        except ApiError as exc:
-            if exc.code != "context_length_exceeded":
-                raise
-            msg = f"prompt is too long: {len(prompt)} tokens ({exc.message})"
-            raise ApiError(400, msg, code=exc.code) from exc
-        # 5 read the reply
-        reply = read_reply(
-            proxy.chat, ro.memory, turn, out.token_ids, call_id, stop_reason=out.stop_reason
-        )
-        # 6 record
-        proxy._record(ro, call_id, prompt, out, turn.prompt.drift_tokens, turn.tool_results)
+        turn, prompt, drift = done.chat, done.prompt, done.drift
+        (out,), (reply,), (call_id,) = done.outs, done.replies, done.call_ids  # n = 1
         # 7 answer
         stop_sequence = None
         if out.stop_reason is not None and out.stop_reason in turn.stop_token_ids:
@@ -161,7 +89,7 @@ class MessagesApi:
             "rollout_id": ro.rollout_id,
             "backend": out.backend,
             "policy_version": out.policy_version,
-            "drift_tokens": turn.prompt.drift_tokens,
+            "drift_tokens": drift,
         }
         message = message_body(
             call_id=call_id,
@@ -178,7 +106,7 @@ class MessagesApi:
         return message_answer(message, stream=request.stream)
 
     def _overflow(self, exc: ApiError, prompt_tokens: int, max_tokens: int) -> ApiError:
-        """The budget's context overflow in Anthropic's words."""
+        """A context overflow (the budget's, or the backend's) in Anthropic's words."""
         proxy = self.proxy
         if exc.param == "messages" and proxy.max_prompt:  # over the prompt limit
             return prompt_too_long(prompt_tokens, proxy.max_prompt)

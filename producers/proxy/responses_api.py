@@ -9,17 +9,15 @@ ends:
     1 parse      responses_wire.parse_responses_request   the request in the chat form (400); a
                                                           JSON text.format the pool cannot
                                                           decode under is refused (400)
-    2 render     chat.render_turn                         the same render as a chat completion:
-                                                          earlier replies' generated ids spliced
-                                                          in, function_call_output items found
-                                                          as tool results
-    3 budget     Proxy._budget                            400 context_length_exceeded (param
-                                                          ``input`` or ``max_output_tokens``)
-    4 generate   Proxy._generate                          pool, failover, 429 while paused
-    5 read       chat.read_reply                          text and tool calls; the reply
-                                                          remembered, so its function_call
-                                                          items coming back chain the next call
-    6 record     Proxy._record                            tool results, then the LlmCall
+    2-6          Proxy.turn                               the chat call's render (earlier
+                                                          replies' generated ids spliced in,
+                                                          function_call_output items found as
+                                                          tool results), budget (400
+                                                          context_length_exceeded, param
+                                                          ``input`` or ``max_output_tokens``),
+                                                          generate, read (the reply remembered,
+                                                          so its function_call items coming back
+                                                          chain the next call) and record
     7 answer     responses_wire.response_answer           the Response, or its SSE events
 
 Nothing is stored: ``previous_response_id`` is refused, the harness sends the conversation
@@ -31,16 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from rollstream.producers.errors import ApiError, ChatError
-from rollstream.producers.proxy.backends import Completion
-from rollstream.producers.proxy.chat import ChatTemplate, ToolResult, read_reply, render_turn
 from rollstream.producers.proxy.openai_wire import (
     Answer,
-    CallParams,
     HttpRequest,
     as_api_error,
     error_answer,
@@ -52,8 +45,7 @@ from rollstream.producers.proxy.responses_wire import (
     response_body,
 )
 from rollstream.producers.proxy.rollout_api import OpenRollout
-from rollstream.producers.proxy.settings import ProxySettings
-from rollstream.producers.sdk.ids import new_ulid
+from rollstream.producers.proxy.turns import Pipeline
 
 __all__ = ["Pipeline", "ResponsesApi", "responses_error"]
 
@@ -61,51 +53,6 @@ log = logging.getLogger("rollstream.producers.proxy.service")
 
 # chat parameter names as the Responses API names them
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
-
-
-class _Pool(Protocol):
-    @property
-    def guided_decoding(self) -> bool: ...
-
-
-class Pipeline(Protocol):
-    """What a Responses call uses of the proxy (service.Proxy is one): its settings, template,
-    limits and pool, the token check, and the chat pipeline's budget, generate and record
-    steps."""
-
-    settings: ProxySettings
-    chat: ChatTemplate
-    model: str
-
-    @property
-    def pool(self) -> _Pool: ...
-
-    def open_rollout(self, token: str | None, rollout_id: str | None) -> OpenRollout: ...
-
-    def _budget(self, prompt_len: int, requested: int | None, default: int) -> int: ...
-
-    async def _generate(
-        self,
-        ro: OpenRollout,
-        call_id: str,
-        prompt: np.ndarray,
-        params: CallParams,
-        stop_token_ids: list[int],
-        max_tokens: int,
-        tool_results: list[ToolResult],
-        *,
-        response_format: dict[str, Any] | None = None,
-    ) -> list[Completion]: ...
-
-    def _record(
-        self,
-        ro: OpenRollout,
-        call_id: str,
-        prompt: np.ndarray,
-        out: Completion,
-        drift: int,
-        tool_results: list[ToolResult],
-    ) -> None: ...
 
 
 def responses_error(exc: ApiError) -> ApiError:
@@ -155,44 +102,10 @@ class ResponsesApi:
         proxy = self.proxy
         # 1 parse
         request = parse_responses_request(body)
-        chat, params = request.chat, request.chat.params
-        if chat.response_format is not None and not proxy.pool.guided_decoding:
-            kind = chat.response_format["type"]
-            msg = (
-                f"text.format {kind} needs a backend with guided decoding (vLLM); this "
-                "proxy's backends cannot constrain the reply"
-            )
-            raise ApiError(400, msg, param="text.format", code="unsupported")
-        # 2 render
-        turn = render_turn(
-            proxy.chat,
-            ro.memory,
-            messages=chat.messages,
-            tools=chat.tools,
-            tool_choice=chat.tool_choice,
-        )
-        prompt = turn.prompt.ids
-        # 3 budget
-        default = proxy.settings.proxy_default_max_tokens
-        max_tokens = proxy._budget(len(prompt), params.max_tokens, default)
-        call_id = new_ulid()
-        # 4 generate
-        (out,) = await proxy._generate(  # n = 1: a Response has one output
-            ro,
-            call_id,
-            prompt,
-            params,
-            turn.stop_token_ids,
-            max_tokens,
-            turn.tool_results,
-            response_format=chat.response_format,
-        )
-        # 5 read the reply
-        reply = read_reply(
-            proxy.chat, ro.memory, turn, out.token_ids, call_id, stop_reason=out.stop_reason
-        )
-        # 6 record
-        proxy._record(ro, call_id, prompt, out, turn.prompt.drift_tokens, turn.tool_results)
+        # 2-6: Proxy.turn (a JSON text.format the pool cannot decode under: 400 text.format)
+        done = await proxy.turn(ro, request.chat, format_param="text.format")
+        prompt, drift = done.prompt, done.drift
+        (out,), (reply,), (call_id,) = done.outs, done.replies, done.call_ids  # n = 1
         # 7 answer
         incomplete = out.finish_reason == "length"
         ext: dict[str, Any] = {
@@ -200,7 +113,7 @@ class ResponsesApi:
             "rollout_id": ro.rollout_id,
             "backend": out.backend,
             "policy_version": out.policy_version,
-            "drift_tokens": turn.prompt.drift_tokens,
+            "drift_tokens": drift,
         }
         if reply.tool_choice_met is not None:
             ext["tool_choice_met"] = reply.tool_choice_met

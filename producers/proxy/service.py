@@ -40,6 +40,10 @@ order, each consuming what the one before produced:
                                                   delta)
     7 answer     openai_wire.chat_answer          chat.completion JSON or its SSE chunks
 
+Steps 2 to 6 are ``Proxy.turn``, called once per call by every API that speaks chat: chat
+completions here, Anthropic Messages (messages_api.py) and OpenAI Responses (responses_api.py)
+parse their own wire into a ChatRequest (step 1) and build their own answer (step 7).
+
 A text completion is the same with ``parse_text_request``, ``render_text`` (step 2), the
 template's ``decode`` (step 5) and ``text_answer``.
 
@@ -98,6 +102,7 @@ from rollstream.producers.proxy.openai_wire import (
     Answer,
     CallParams,
     ChatChoice,
+    ChatRequest,
     HttpRequest,
     chat_answer,
     json_answer,
@@ -119,6 +124,7 @@ from rollstream.producers.proxy.rollout_api import (
     RolloutTokens,
 )
 from rollstream.producers.proxy.settings import ProxySettings
+from rollstream.producers.proxy.turns import Turn
 from rollstream.producers.sdk.ids import new_ulid
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError
 
@@ -248,19 +254,29 @@ class Proxy:
 
     # --- the pipeline of a model call ----------------------------------------------------------
 
-    async def chat_call(self, ro: OpenRollout, body: dict[str, Any]) -> Answer:
-        """A chat completion for ``ro`` (see the module docstring for its seven steps). Raises
-        ApiError or ChatInputError."""
-        # 1 parse
-        request = parse_chat_request(body)
+    async def turn(
+        self,
+        ro: OpenRollout,
+        request: ChatRequest,
+        *,
+        default_max_tokens: int | None = None,
+        format_param: str = "response_format",
+        overflow: Callable[[ApiError, int, int], ApiError] | None = None,
+    ) -> Turn:
+        """Steps 2 to 6 of a call in any API's words (chat, Messages, Responses), once its
+        request is parsed into a ChatRequest: render, budget, generate (``params.n`` choices),
+        read the replies, record one LlmCall per choice (the tool results and the drift go with
+        choice 0). A ``response_format`` the pool cannot decode under is a 400 on
+        ``format_param``; ``overflow(error, prompt_tokens, max_tokens)`` words a context
+        overflow as the API does. Raises ApiError or ChatInputError."""
         params = request.params
         if request.response_format is not None and not self.pool.guided_decoding:
             kind = request.response_format["type"]
             msg = (
-                f"response_format {kind} needs a backend with guided decoding (vLLM); this "
+                f"{format_param} {kind} needs a backend with guided decoding (vLLM); this "
                 "proxy's backends cannot constrain the reply"
             )
-            raise ApiError(400, msg, param="response_format", code="unsupported")
+            raise ApiError(400, msg, param=format_param, code="unsupported")
         # 2 render
         turn = render_turn(
             self.chat,
@@ -272,22 +288,26 @@ class Proxy:
             stop=params.stop,
         )
         prompt = turn.prompt.ids
-        # 3 budget
-        max_tokens = self._budget(
-            len(prompt), params.max_tokens, self.settings.proxy_default_max_tokens
-        )
-        call_ids = [new_ulid() for _ in range(params.n)]
-        # 4 generate
-        outs = await self._generate(
-            ro,
-            call_ids[0],
-            prompt,
-            params,
-            turn.stop_token_ids,
-            max_tokens,
-            turn.tool_results,
-            response_format=request.response_format,
-        )
+        default = default_max_tokens or self.settings.proxy_default_max_tokens
+        try:
+            # 3 budget
+            max_tokens = self._budget(len(prompt), params.max_tokens, default)
+            call_ids = [new_ulid() for _ in range(params.n)]
+            # 4 generate
+            outs = await self._generate(
+                ro,
+                call_ids[0],
+                prompt,
+                params,
+                turn.stop_token_ids,
+                max_tokens,
+                turn.tool_results,
+                response_format=request.response_format,
+            )
+        except ApiError as exc:
+            if overflow is None or exc.code != "context_length_exceeded":
+                raise
+            raise overflow(exc, len(prompt), params.max_tokens or default) from exc
         # 5 read the replies
         replies = read_replies(
             self.chat,
@@ -302,6 +322,18 @@ class Proxy:
         for i, (call_id, out) in enumerate(zip(call_ids, outs, strict=True)):
             tools = turn.tool_results if i == 0 else []
             self._record(ro, call_id, prompt, out, drift if i == 0 else 0, tools)
+        return Turn(turn, prompt, outs, replies, call_ids, drift)
+
+    async def chat_call(self, ro: OpenRollout, body: dict[str, Any]) -> Answer:
+        """A chat completion for ``ro`` (see the module docstring for its seven steps). Raises
+        ApiError or ChatInputError."""
+        # 1 parse
+        request = parse_chat_request(body)
+        params = request.params
+        # 2-6
+        done = await self.turn(ro, request)
+        outs, replies, call_ids, prompt = done.outs, done.replies, done.call_ids, done.prompt
+        drift = done.drift
         # 7 answer
         choices = [
             ChatChoice(
