@@ -32,8 +32,7 @@ Errors::
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
@@ -151,10 +150,7 @@ class StageMessage(_Msg):
         inline = msg.job.tasks.inline
         if inline is None or len(inline) != 1 or inline[0].task_id != msg.task_id:
             raise ValueError("job.tasks: a stage message carries exactly its own task inline")
-        try:
-            _ = msg.plan
-        except ValueError as exc:
-            raise ValueError(str(exc)) from exc
+        _ = msg.plan  # ValueError when its rollout id is not the plan's
         if msg.stage != "init" and (msg.sandbox_id is None or msg.endpoint is None):
             raise ValueError(f"a {msg.stage} message names its sandbox and endpoint")
         if msg.stage == "eval" and msg.agent is None:
@@ -349,17 +345,3 @@ class OffsetBook:
 
     def count(self) -> int:
         return sum(len(v) for v in self.inflight.values())
-
-
-def summary(outcome: Mapping[str, Any]) -> AgentSummary:
-    """An AgentSummary from an AgentOutcome's fields (status, stop, reason, turns)."""
-    return AgentSummary(
-        status=outcome["status"],
-        stop=str(outcome.get("stop", ""))[:200],
-        reason=str(outcome.get("reason", ""))[:MAX_REASON],
-        turns=int(outcome.get("turns", 0) or 0),
-    )
-
-
-def dumps(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()

@@ -44,7 +44,7 @@ from typing import Any, Final
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rollstream.producers.errors import RolloutCallError, RolloutExists, SandboxError
-from rollstream.producers.rollouts.agents import AgentOutcome, build_agent
+from rollstream.producers.rollouts.agents import AgentOutcome, RolloutEndpoint, build_agent
 from rollstream.producers.rollouts.claims import ClaimFile, ClaimStore, holder_id
 from rollstream.producers.rollouts.evaluators import build_evaluator
 from rollstream.producers.rollouts.local_jobs import provider_for
@@ -210,29 +210,25 @@ class Service:
             else:
                 self._later(msg)
 
-    def _stages(self, msg: StageMessage, endpoint: Any) -> RolloutStages:
+    def _stages(self, msg: StageMessage, endpoint: RolloutEndpoint | None = None) -> RolloutStages:
+        """The rollout's stages, its agent and evaluator built once; INIT opens the rollout
+        (``open``) before it has an endpoint, the later stages have it from the message."""
         job = msg.job
         agent = build_agent(job.agent, environ=self.environ)
         evaluator = build_evaluator(job.evaluator)
+        if endpoint is None:
+            endpoint = open_rollout(self.proxy, msg.plan, job, agent, evaluator)
         return RolloutStages(
             msg.plan, job, msg.task, endpoint, self.provider(msg), agent, evaluator,
             self.worker_id, log, self.proxy,
         )  # fmt: skip
 
     def _init(self, msg: StageMessage) -> None:
-        job = msg.job
         try:
-            endpoint = open_rollout(
-                self.proxy,
-                msg.plan,
-                job,
-                build_agent(job.agent, environ=self.environ),
-                build_evaluator(job.evaluator),
-            )
+            stages = self._stages(msg)
         except RolloutExists:
             self._redelivered(msg)
             return
-        stages = self._stages(msg, endpoint)
         try:
             failed = stages.init_stage()
             if failed is not None:
@@ -240,17 +236,18 @@ class Service:
                 self._conclude(stages, failed, msg)
                 return
             assert stages.sandbox is not None
+            ep = stages.endpoint
             following = next_stage(
                 msg,
                 now=time.time(),
                 sandbox_id=stages.sandbox.id,
                 endpoint=Endpoint(
-                    base_url=endpoint.base_url,
-                    token=endpoint.token,
-                    api_url=endpoint.api_url,
-                    policy_version=endpoint.policy_version,
+                    base_url=ep.base_url,
+                    token=ep.token,
+                    api_url=ep.api_url,
+                    policy_version=ep.policy_version,
                 ),
-                durations={"init": stages.durations.get("init", 0.0)},
+                durations=stages.durations,
             )
             self._hand_on(msg, stages.sandbox.id, following)
         except BaseException as exc:
@@ -282,7 +279,8 @@ class Service:
             self._settle(msg, "gone", found)
             return
         e = msg.endpoint
-        stages = self._stages(msg, _endpoint(msg.rollout_id, e))
+        endpoint = RolloutEndpoint(msg.rollout_id, e.base_url, e.token, e.api_url, e.policy_version)
+        stages = self._stages(msg, endpoint)
         stages.sandbox, stages.sandbox_id = sandbox, sandbox.id
         stages.durations.update(msg.durations)
         try:
@@ -298,8 +296,9 @@ class Service:
                     reason=outcome.reason[:2000],
                     turns=outcome.turns,
                 )
-                durations = {**msg.durations, "run": stages.durations.get("run", 0.0)}
-                following = next_stage(msg, now=time.time(), agent=summary, durations=durations)
+                following = next_stage(
+                    msg, now=time.time(), agent=summary, durations=stages.durations
+                )
                 self._hand_on(msg, sandbox.id, following)
             else:
                 a = msg.agent
@@ -436,12 +435,6 @@ class Service:
                     with contextlib.suppress(SandboxError, OSError):  # another reaper's race
                         provider.remove(record.id)
         return abandoned
-
-
-def _endpoint(rollout_id: str, e: Endpoint) -> Any:
-    from rollstream.producers.rollouts.agents import RolloutEndpoint
-
-    return RolloutEndpoint(rollout_id, e.base_url, e.token, e.api_url, e.policy_version)
 
 
 class StageWorker(threading.Thread):
