@@ -27,6 +27,7 @@ __all__ = [
     "I32",
     "I64",
     "LIFECYCLE_TYPES",
+    "REWARD_BOUND",
     "U8",
     "U32",
     "Body",
@@ -328,8 +329,14 @@ class ToolCall(_Record):
     at_call_id: str | None = None
 
 
+REWARD_BOUND = 1e6  # a Reward.value is a number in [-REWARD_BOUND, REWARD_BOUND]
+
+
 @dataclass(eq=False, slots=True)
 class Reward(_Record):
+    """A reward: ``value`` is a number in [-REWARD_BOUND, REWARD_BOUND]; the stream processors
+    dead-letter any other (NaN, infinities, 1e308) as ``bad_reward``, the proxy answers 400."""
+
     AVRO_NAME: ClassVar[str] = "rollstream.Reward"
     _enums: ClassVar[dict[str, type[enum.StrEnum]]] = {"kind": RewardKind}
     value: float

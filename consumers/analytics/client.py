@@ -1,9 +1,12 @@
 """The HTTP client of the analytics server (``rollstream report``, ``rollstream replay
 --source clickhouse``, a notebook): the API is drawn in protocol.py.
 
+    AnalyticsClient(url, *, timeout=120.0, api_key=None)    api_key: an analyst key, sent as
+                                                           ``Authorization: Bearer KEY``
+
 Errors: ``AnalyticsError`` when the server cannot be reached or is not ours, ``RefusedQuery``
-for a statement that is not read-only (HTTP 403), ``AnalyticsHTTPError`` for any other error
-status (rollstream.consumers.errors).
+for a refused statement (HTTP 403), ``AnalyticsHTTPError`` for any other error status (401: no
+valid key; rollstream.consumers.errors).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import httpx
+from pydantic import SecretStr
 
 from rollstream.consumers.analytics.protocol import LAST_HEADER, SERVICE, decode_frames
 from rollstream.consumers.errors import AnalyticsError, AnalyticsHTTPError, RefusedQuery
@@ -37,9 +41,15 @@ def _table(columns: list[str], rows: list[list[Any]]) -> Table:
 class AnalyticsClient:
     """HTTP client of the analytics server (``rollstream report``, ``rollstream replay``)."""
 
-    def __init__(self, url: str, *, timeout: float = 120.0) -> None:
+    def __init__(
+        self, url: str, *, timeout: float = 120.0, api_key: SecretStr | str | None = None
+    ) -> None:
+        """``api_key``: an analyst key of the server (``analytics_api_keys``), sent as
+        ``Authorization: Bearer KEY`` on every request; None for an open server."""
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

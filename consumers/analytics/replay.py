@@ -23,7 +23,7 @@ all its events are, in seq order, keyed by rollout_id. Sources:
   rollouts at a time, in (rollout_id, seq) order, re-encoded with the Codec (rows.event_from_row
   is lossless: the bytes are those the producer wrote, for the default wire format). When the
   sink holds the chDB path, set ``analytics_url``: the pages come from its analytics server
-  (analytics.client.AnalyticsClient).
+  (analytics.client.AnalyticsClient), with ``analytics_api_key`` when the server wants one.
 
 Per-rollout order: one rollout's events are read in order (one Kafka partition, or seq order)
 and produced in that order by an idempotent producer (acks=all), so they land in order in one
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from pydantic import SecretStr
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -89,6 +90,7 @@ class ReplaySettings(CommonSettings):
     replay_progress: bool = True  # a rich progress bar on stderr
     replay_linger_ms: float = 20.0  # producer linger.ms
     analytics_url: str | None = None  # the sink's analytics server (clickhouse source)
+    analytics_api_key: SecretStr | None = None  # ... and an analyst key of it (Bearer)
 
     def rollout_filter(self) -> RolloutFilter:
         return RolloutFilter(
@@ -308,7 +310,7 @@ def _drop_finished(consumer: Consumer, topic: str, pending: dict[int, int]) -> N
 def _pages(settings: ReplaySettings, flt: RolloutFilter) -> tuple[int, int, Iterator[list[bytes]]]:
     page = settings.replay_page_rollouts
     if settings.analytics_url:
-        remote = AnalyticsClient(settings.analytics_url)
+        remote = AnalyticsClient(settings.analytics_url, api_key=settings.analytics_api_key)
         remote.health()
         rollouts, events = remote.count(settings.namespace, flt.to_json())
 

@@ -1,13 +1,15 @@
 """``rollstream report``: the canned views (reports.VIEWS) and ad-hoc read-only SQL, rendered as
 rich tables, and a view's chart as a PNG (``--plot FILE.png``).
 
-    ReportSettings(CommonSettings)      ROLLSTREAM_ANALYTICS_URL, ROLLSTREAM_REPORT_*
+    ReportSettings(CommonSettings)      ROLLSTREAM_ANALYTICS_URL, ROLLSTREAM_ANALYTICS_API_KEY,
+                                        ROLLSTREAM_REPORT_*
     run(settings, *, view=None, sql=None, plot=None, url=None, params=None, console=None)
         -> dict[str, Table]             what was shown, by view name ("sql" for --sql)
 
 Where the data comes from (``url``, else ``settings.analytics_url``):
 - ``http(s)://`` answering ``GET /health`` as the rollstream analytics server: the server of a
-  running sink (the process that holds the chDB path);
+  running sink (the process that holds the chDB path), sent ``analytics_api_key`` as
+  ``Authorization: Bearer`` when it is set (a server with analyst keys answers 401 without);
 - any other ``http(s)://`` URL: a ClickHouse server, queried directly by clickhouse-connect with
   the same read-only session settings the analytics server uses;
 - ``chdb://PATH``: the chDB store itself (only while no sink holds the path).
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import SecretStr
 from rich.console import Console
 from rich.table import Table as RichTable
 
@@ -44,6 +47,7 @@ class ReportSettings(CommonSettings):
     """``rollstream report``. ``namespace`` picks the database (chstore.database_for)."""
 
     analytics_url: str = "http://127.0.0.1:8300"  # a sink's analytics server or ClickHouse URL
+    analytics_api_key: SecretStr | None = None  # analyst key of the analytics server (Bearer)
     report_max_execution_time_s: float = 30.0  # per query, when querying ClickHouse directly
     report_max_result_rows: int = 100_000  # ... and its result limit
     report_max_rows_shown: int = 200  # rows printed per table
@@ -59,7 +63,9 @@ class _Source:
         self.remote: AnalyticsClient | None = None
         self.client: Any = None
         if url.startswith(("http://", "https://")):
-            remote = AnalyticsClient(url, timeout=settings.report_timeout_s)
+            remote = AnalyticsClient(
+                url, timeout=settings.report_timeout_s, api_key=settings.analytics_api_key
+            )
             try:
                 remote.health()
                 self.remote = remote

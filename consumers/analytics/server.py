@@ -5,22 +5,37 @@ chDB admits one process per data path, so whoever wants to read the sink's table
 (``rollstream report``, ``rollstream replay --source clickhouse``, a notebook: client.py) asks
 the sink's process: a small Starlette app run by uvicorn in a thread next to the consume loop,
 on its own read-only ClickHouse client (a second client on the same path; clients do not share
-settings), whose session runs with ``readonly.readonly_settings``; every ad-hoc statement passes
-``readonly.check_read_only`` first. Queries are serialized on the one client.
+settings), whose session runs with ``readonly.readonly_settings`` (time, memory and result
+limits, then readonly=1). Queries are serialized on the one client.
 
-    create_app(store, database=, namespace=, stats=, codec=) -> Starlette
+Locked down (readonly.py has the rules):
+- an analyst key (``analytics_api_keys``, ``Authorization: Bearer KEY``) on every route but a
+  bare ``GET /health`` when keys are set (401 otherwise); none set: open, and ``serve`` warns;
+- request bodies over ``analytics_max_body_bytes`` get 413;
+- only the namespace's database: ``namespace`` in a request must be the server's (403);
+- ``POST /query``: ``readonly.check_read_only(sql, database=)`` (our lexer), then the engine's
+  own parse (``EXPLAIN AST``, not run) through ``readonly.check_ast``, then the query;
+  ``params`` are ``{name: scalar or list}`` bound server-side.
+A refused query is 403 naming the reason; a query the engine refuses or that breaks a limit is
+400 with the engine's message; neither ever 500.
+
+    create_app(store, database=, namespace=, stats=, codec=, api_keys=, max_body_bytes=)
     serve(settings, stats=) -> AnalyticsServer      the app in a daemon thread (``stop()``)
 
 Errors: ``AnalyticsError`` (the server did not start); requests that fail answer 400
-(bad request, a query ClickHouse refused), 403 (RefusedQuery) or 404 (no such view).
+(bad request, a query ClickHouse refused), 401 (no valid key), 403 (RefusedQuery), 404 (no
+such view) or 413 (body too large).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import logging
+import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -41,7 +56,7 @@ from rollstream.consumers.analytics.protocol import (
     SERVICE,
     encode_frames,
 )
-from rollstream.consumers.analytics.readonly import check_read_only, readonly_settings
+from rollstream.consumers.analytics.readonly import check_ast, check_read_only, readonly_settings
 from rollstream.consumers.analytics.settings import AnalyticsSettings
 from rollstream.consumers.errors import (
     AnalyticsError,
@@ -50,6 +65,7 @@ from rollstream.consumers.errors import (
     StoreError,
 )
 from rollstream.consumers.store import chstore
+from rollstream.consumers.store.chstore import Table
 from rollstream.consumers.store.queries import RolloutFilter, count_rollouts, rollout_page
 from rollstream.schemas import Codec
 
@@ -59,9 +75,16 @@ __all__ = [
     "AnalyticsServer",
     "QueryClient",
     "RefusedQuery",
+    "checked_query",
     "create_app",
     "serve",
 ]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+_PARAM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_PARAM_TYPES = (str, int, float, bool, list, type(None))
 
 
 def _json_default(value: Any) -> Any:
@@ -77,8 +100,16 @@ def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None
     return Response(body, status, headers=dict(headers or {}), media_type="application/json")
 
 
-def _error(status: int, message: str) -> Response:
-    return JSONResponse({"error": message}, status)
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return JSONResponse({"error": message}, status, headers=dict(headers or {}))
+
+
+class _Answer(AnalyticsError):
+    """A request answered with an error status (inside the app only)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _coerce(view: reports.View, raw: Mapping[str, str]) -> dict[str, Any]:
@@ -92,10 +123,41 @@ def _coerce(view: reports.View, raw: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _params(raw: Any) -> dict[str, Any]:
+    """A query's server-side parameters: ``{name: str | int | float | bool | list | null}``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise AnalyticsError("params must be a JSON object")
+    for name, value in raw.items():
+        if not _PARAM_NAME.match(name):
+            raise AnalyticsError(f"parameter name {name!r} is not an identifier")
+        if not isinstance(value, _PARAM_TYPES):
+            raise AnalyticsError(f"parameter {name} must be a scalar or a list")
+    return dict(raw)
+
+
+def _bearer(value: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def checked_query(client: Any, sql: str, params: Mapping[str, Any], database: str) -> Table:
+    """Run ``sql`` (already through ``check_read_only``) once the engine's own parse of it
+    (``EXPLAIN AST``, which does not run it) passed ``check_ast``."""
+    plan = chstore.query(client, f"EXPLAIN AST {sql}", params)
+    check_ast([str(row[0]) for row in plan.rows], database=database)
+    return chstore.query(client, sql, params)
+
+
 class QueryClient:
     """The read-only ClickHouse client behind the app. Calls are serialized; after a failed
     call the client is reopened (a query that fails mid-stream, e.g. over max_result_rows,
-    leaves unread data on a chDB handle that the next query would read)."""
+    leaves unread data on a chDB handle that the next query would read); a refused query
+    never reached the engine's result stream and leaves the client as it was."""
 
     def __init__(self, connect: Callable[[], Any]) -> None:
         self._connect = connect
@@ -106,6 +168,8 @@ class QueryClient:
         with self._lock:
             try:
                 return fn(self._client, *args, **kwargs)
+            except RefusedQuery:
+                raise
             except Exception:
                 self._reopen()
                 raise
@@ -127,14 +191,70 @@ def create_app(
     namespace: str = "",
     stats: Callable[[], dict[str, Any]] | None = None,
     codec: Codec,
+    api_keys: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """The analytics app over a read-only ``store`` (see ``readonly_settings``); ``codec``
-    encodes the events ``POST /events`` sends; ``stats`` are the sink's counters."""
+    encodes the events ``POST /events`` sends; ``stats`` are the sink's counters; with
+    ``api_keys`` every route but a bare ``/health`` wants one of them as a bearer token."""
+    keys = [k.encode() for k in api_keys if k]
+
+    def authorized(request: Request) -> bool:
+        if not keys:
+            return True
+        token = _bearer(request.headers.get("authorization"))
+        return token is not None and any(hmac.compare_digest(token.encode(), k) for k in keys)
+
+    Handler = Callable[[Request], Awaitable[Response]]
+
+    def endpoint(handler: Handler) -> Handler:
+        """Key check, then the handler; its refusals become 4xx answers naming the reason."""
+
+        async def answer(request: Request) -> Response:
+            if not authorized(request):
+                return _error(
+                    401,
+                    "missing or invalid analyst API key (Authorization: Bearer KEY)",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+            try:
+                return await handler(request)
+            except _Answer as exc:
+                return _error(exc.status, str(exc))
+            except RefusedQuery as exc:
+                return _error(403, str(exc))
+            except (AnalyticsError, StoreError, ValueError, TypeError) as exc:
+                return _error(400, str(exc))
+
+        return answer
 
     def database_of(ns: Any) -> str:
-        return database if ns is None else chstore.database_for(str(ns))
+        if ns is None or str(ns) == namespace or chstore.database_for(str(ns)) == database:
+            return database
+        raise RefusedQuery(f"this server serves namespace {namespace!r} (database {database}) only")
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > max_body_bytes):
+            raise _Answer(413, f"the request body is over {max_body_bytes} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _Answer(413, f"the request body is over {max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            data = orjson.loads(b"".join(chunks))
+        except orjson.JSONDecodeError as exc:
+            raise AnalyticsError(f"body is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise AnalyticsError("body must be a JSON object")
+        return data
 
     async def health(request: Request) -> Response:
+        if not authorized(request):  # liveness only: no names, no counters
+            return _json({"service": SERVICE, "auth": "required"})
         return _json(
             {
                 "service": SERVICE,
@@ -144,29 +264,22 @@ def create_app(
             }
         )
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            data = await request.json()
-        except ValueError as exc:
-            raise AnalyticsError(f"body is not JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise AnalyticsError("body must be a JSON object")
-        return data
-
     async def run_query(request: Request) -> Response:
+        data = await body_of(request)
+        sql = data.get("sql")
+        if not isinstance(sql, str):
+            raise AnalyticsError("sql must be a string")
+        statement = check_read_only(sql, database=database)
+        params = _params(data.get("params"))
         try:
-            data = await body_of(request)
-            sql = check_read_only(str(data.get("sql", "")))
-        except RefusedQuery as exc:
-            return _error(403, str(exc))
-        except AnalyticsError as exc:
-            return _error(400, str(exc))
-        try:
-            table = await run_in_threadpool(
-                store.call, chstore.query, sql, data.get("params") or {}
-            )
-        except StoreError as exc:
-            return _error(400, str(exc))
+            table = await run_in_threadpool(store.call, checked_query, statement, params, database)
+        except (RefusedQuery, StoreError):
+            raise
+        except Exception as exc:  # the driver could not read the engine's answer
+            log.warning("query answer unreadable: %s", exc, exc_info=True)
+            raise AnalyticsError(
+                f"the answer could not be read: {type(exc).__name__}: {exc}"
+            ) from exc
         return _json({"columns": table.columns, "rows": table.rows})
 
     async def list_views(request: Request) -> Response:
@@ -182,19 +295,11 @@ def create_app(
         name = request.path_params["view"]
         view = reports.VIEWS.get(name)
         if view is None:
-            return _error(404, f"no view {name!r}; views: {', '.join(reports.VIEWS)}")
+            raise _Answer(404, f"no view {name!r}; views: {', '.join(reports.VIEWS)}")
         raw = dict(request.query_params)
-        try:
-            db = database_of(raw.pop("namespace", None))
-            params = _coerce(view, raw)
-        except (ValueError, StoreError) as exc:
-            return _error(400, str(exc))
-        try:
-            table = await run_in_threadpool(
-                store.call, reports.run_report, name, database=db, **params
-            )
-        except StoreError as exc:
-            return _error(400, str(exc))
+        db = database_of(raw.pop("namespace", None))
+        params = _coerce(view, raw)
+        table = await run_in_threadpool(store.call, reports.run_report, name, database=db, **params)
         return _json(
             {"view": name, "title": view.title, "columns": table.columns, "rows": table.rows}
         )
@@ -203,19 +308,13 @@ def create_app(
         return database_of(data.get("namespace")), RolloutFilter.from_json(data.get("filter"))
 
     async def events(request: Request) -> Response:
-        try:
-            data = await body_of(request)
-            db, flt = selection(data)
-            after = data.get("after")
-            limit = int(data.get("limit", 500))
-        except (AnalyticsError, ValueError, TypeError, StoreError) as exc:
-            return _error(400, str(exc))
-        try:
-            records, last = await run_in_threadpool(
-                store.call, rollout_page, db, flt, after, limit, codec
-            )
-        except StoreError as exc:
-            return _error(400, str(exc))
+        data = await body_of(request)
+        db, flt = selection(data)
+        after = data.get("after")
+        limit = int(data.get("limit", 500))
+        records, last = await run_in_threadpool(
+            store.call, rollout_page, db, flt, after, limit, codec
+        )
         return Response(
             encode_frames(records),
             media_type="application/octet-stream",
@@ -226,24 +325,18 @@ def create_app(
         )
 
     async def count(request: Request) -> Response:
-        try:
-            db, flt = selection(await body_of(request))
-        except (AnalyticsError, ValueError, TypeError, StoreError) as exc:
-            return _error(400, str(exc))
-        try:
-            rollouts, n_events = await run_in_threadpool(store.call, count_rollouts, db, flt)
-        except StoreError as exc:
-            return _error(400, str(exc))
+        db, flt = selection(await body_of(request))
+        rollouts, n_events = await run_in_threadpool(store.call, count_rollouts, db, flt)
         return _json({"rollouts": rollouts, "events": n_events})
 
     return Starlette(
         routes=[
             Route("/health", health),
-            Route("/query", run_query, methods=["POST"]),
-            Route("/reports", list_views),
-            Route("/reports/{view}", run_view),
-            Route("/events", events, methods=["POST"]),
-            Route("/events/count", count, methods=["POST"]),
+            Route("/query", endpoint(run_query), methods=["POST"]),
+            Route("/reports", endpoint(list_views)),
+            Route("/reports/{view}", endpoint(run_view)),
+            Route("/events", endpoint(events), methods=["POST"]),
+            Route("/events/count", endpoint(count), methods=["POST"]),
         ]
     )
 
@@ -279,16 +372,25 @@ def serve(
         client = chstore.connect(
             s.clickhouse_url,
             settings=readonly_settings(
-                s.analytics_max_execution_time_s, s.analytics_max_result_rows,
+                s.analytics_max_execution_time_s,
+                s.analytics_max_result_rows,
                 s.analytics_max_memory_bytes,
+                max_result_bytes=s.analytics_max_result_bytes,
             ),
-        )  # fmt: skip
+        )
         client.database = s.database  # unqualified table names are the namespace's tables
         return client
 
+    keys = [k.get_secret_value() for k in s.analytics_api_keys]
     store = QueryClient(connect)
     app = create_app(
-        store, database=s.database, namespace=s.namespace, stats=stats, codec=build_codec(s)
+        store,
+        database=s.database,
+        namespace=s.namespace,
+        stats=stats,
+        codec=build_codec(s),
+        api_keys=keys,
+        max_body_bytes=s.analytics_max_body_bytes,
     )
     config = uvicorn.Config(
         app, host=s.analytics_host, port=s.analytics_port, log_level="warning", lifespan="off"
@@ -305,4 +407,11 @@ def serve(
             )
         time.sleep(0.02)
     port = s.analytics_port or server.servers[0].sockets[0].getsockname()[1]
+    if not any(keys):
+        log.warning(
+            "!!! no analytics_api_keys set: the analytics server on %s:%d answers anyone who "
+            "can reach it (set ROLLSTREAM_ANALYTICS_API_KEYS) !!!",
+            s.analytics_host,
+            port,
+        )
     return AnalyticsServer(server, thread, store, s.analytics_host, port)

@@ -1,10 +1,13 @@
-"""From Sample records to training batches: staleness filter, token-budget batcher, collate.
+"""From Sample records to training batches: staleness filter, duplicate window, token-budget
+batcher, collate.
 
 Pure logic over ``rollstream.schemas.Sample``; no Kafka. The trainer's loop is
 
     fresh = staleness.filter(samples, current_version)
-    for group in batcher.batches(fresh):     # or batcher.add(sample) / batcher.flush()
+    new = [s for s in fresh if s.sample_id not in trained]   # TrainedIds: recently trained
+    for group in batcher.batches(new):       # or batcher.add(sample) / batcher.flush()
         batch = collate(group)               # dict of tensors, see collate
+        trained.add(...)                     # once the step is committed
 
 The batcher keeps arrival order (it never reorders samples), so "everything up to offset X
 has been batched" stays true for the trainer's offset checkpoints.
@@ -17,6 +20,7 @@ Errors (rollstream.consumers.errors):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +40,9 @@ __all__ = [
     "BatchingError",
     "StalenessFilter",
     "TokenBudgetBatcher",
+    "TrainedIds",
     "collate",
+    "sample_key",
     "validate_sample",
 ]
 
@@ -77,6 +83,66 @@ class StalenessFilter:
         return [s for s in samples if self.keep(s, current_version)]
 
 
+# ---- duplicates -------------------------------------------------------------------------------
+
+
+def sample_key(sample_id: str) -> int:
+    """The 64-bit key of a sample id (blake2b-64): what ``TrainedIds`` keeps. Two ids share a
+    key with probability ~ window / 2**64 per sample (5e-14 at a window of 1M)."""
+    return int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=8).digest(), "little")
+
+
+class TrainedIds:
+    """The keys (``sample_key``) of the last ``capacity`` distinct sample ids trained, first in
+    first out: a sample re-emitted after a processor crash (same sample_id, new offset) is found
+    here and not trained twice. ``capacity`` 0 keeps nothing. ``keys()`` / the ``keys``
+    argument carry the window through a checkpoint (oldest first). Memory: a ring of uint64
+    and a set of ints, ~80 bytes per id (~80 MB at 1M)."""
+
+    def __init__(self, capacity: int, keys: np.ndarray | None = None) -> None:
+        if capacity < 0:
+            raise BatchingError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        newest: list[int] = []
+        if keys is not None and capacity:  # distinct, oldest first, the newest ``capacity``
+            distinct = list(dict.fromkeys(np.asarray(keys, dtype=np.uint64).tolist()))
+            newest = distinct[max(0, len(distinct) - capacity) :]
+        self._ring = np.array(newest, np.uint64)  # grows to capacity, then wraps
+        self._added = len(newest)  # keys ever added: the next slot is _added % capacity
+        self._keys: set[int] = set(newest)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return isinstance(sample_id, str) and sample_key(sample_id) in self._keys
+
+    def add(self, sample_id: str) -> None:
+        self._add_key(sample_key(sample_id))
+
+    def _add_key(self, key: int) -> None:
+        if self.capacity == 0 or key in self._keys:
+            return
+        slot = self._added % self.capacity
+        if self._added < self.capacity:
+            if slot == len(self._ring):  # grow by doubling, up to capacity
+                grown = np.zeros(min(self.capacity, max(1024, 2 * len(self._ring))), np.uint64)
+                grown[: len(self._ring)] = self._ring
+                self._ring = grown
+        else:
+            self._keys.discard(int(self._ring[slot]))  # the oldest goes
+        self._ring[slot] = key
+        self._keys.add(key)
+        self._added += 1
+
+    def keys(self) -> np.ndarray:
+        """(n,) uint64 keys, oldest first."""
+        if self._added <= self.capacity:
+            return self._ring[: self._added].copy()
+        slot = self._added % self.capacity
+        return np.concatenate([self._ring[slot:], self._ring[:slot]])
+
+
 # ---- token budget -----------------------------------------------------------------------------
 
 
@@ -87,7 +153,8 @@ class TokenBudgetBatcher:
     Padded size, not the sum of lengths: it is what the forward pass allocates (and a tree
     sample's T is its unique tokens, so a shared prefix is paid once). ``add`` returns the
     batch that the new sample closed, if any; ``flush`` returns what is pending. A sample
-    longer than max_tokens raises BatchingError; max_samples optionally caps B."""
+    longer than max_tokens raises BatchingError; max_samples optionally caps B (a batch that
+    reaches it is returned by the ``add`` that completed it)."""
 
     max_tokens: int
     max_samples: int | None = None
@@ -116,12 +183,14 @@ class TokenBudgetBatcher:
                 f"sample {sample.sample_id}: {length} tokens exceed the budget {self.max_tokens}"
             )
         new_len = max(self._pending_len, length)
-        full = self.max_samples is not None and len(self._pending) >= self.max_samples
         closed = None
-        if self._pending and (full or (len(self._pending) + 1) * new_len > self.max_tokens):
+        if self._pending and (len(self._pending) + 1) * new_len > self.max_tokens:
             closed, self._pending, new_len = self._pending, [], length
         self._pending.append(sample)
         self._pending_len = new_len
+        if closed is None and self.max_samples is not None and self.pending >= self.max_samples:
+            # the count cap is reached: the batch is complete now, not at the next sample
+            closed, self._pending, self._pending_len = self._pending, [], 0
         return closed
 
     def flush(self) -> list[Sample] | None:

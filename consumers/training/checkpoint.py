@@ -8,6 +8,8 @@ Layout of a checkpoint root (``TrainerSettings.checkpoint_dir``)::
         model/                      save_pretrained: config.json, model.safetensors, tokenizer
         trainer.pt                  optimizer state, RNG states (torch.save; our own file)
         meta.json                   step, policy version, offsets, counters, metrics, manifest
+        trained_ids.npy             the trainer's window of recently trained sample ids
+                                    (batching.TrainedIds keys, uint64, oldest first)
     manifests/step-00000012.json    the (partition, offset) records step 12 trained / dropped
     .tmp-step-00000013-k2j4/        a write in progress, or left by a crash
 
@@ -52,6 +54,7 @@ from rollstream.consumers.errors import CheckpointError
 
 __all__ = [
     "LATEST",
+    "TRAINED_IDS",
     "Checkpoint",
     "CheckpointError",
     "CheckpointMeta",
@@ -63,6 +66,7 @@ __all__ = [
 ]
 
 LATEST = "latest"
+TRAINED_IDS = "trained_ids.npy"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
@@ -74,12 +78,14 @@ _WRITTEN_BY_SAVE = {"config.json", "generation_config.json", "rollstream.json"}
 class Manifest:
     """The records one step covered, as (partition, offset) pairs of ``topic``: ``trained``
     went into the gradient, ``stale`` were dropped by the staleness filter, ``dlq`` were sent to
-    the dead-letter topic. Together they are every record between two checkpoints' offsets."""
+    the dead-letter topic, ``duplicate`` carried a sample_id trained before (dropped).
+    Together they are every record between two checkpoints' offsets."""
 
     topic: str
     trained: list[tuple[int, int]] = field(default_factory=list)
     stale: list[tuple[int, int]] = field(default_factory=list)
     dlq: list[tuple[int, int]] = field(default_factory=list)
+    duplicate: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +93,7 @@ class Manifest:
             "trained": [list(x) for x in self.trained],
             "stale": [list(x) for x in self.stale],
             "dlq": [list(x) for x in self.dlq],
+            "duplicate": [list(x) for x in self.duplicate],
         }
 
     @classmethod
@@ -94,7 +101,13 @@ class Manifest:
         def pairs(key: str) -> list[tuple[int, int]]:
             return [(int(p), int(o)) for p, o in data.get(key, [])]
 
-        return cls(str(data["topic"]), pairs("trained"), pairs("stale"), pairs("dlq"))
+        return cls(
+            str(data["topic"]),
+            pairs("trained"),
+            pairs("stale"),
+            pairs("dlq"),
+            pairs("duplicate"),
+        )
 
 
 @dataclass(slots=True)
@@ -361,12 +374,15 @@ class CheckpointStore:
         *,
         copy_from: Path | None = None,
         before_commit: Callable[[Path], None] | None = None,
+        trained_ids: np.ndarray | None = None,
     ) -> Checkpoint:
         """Write and commit the checkpoint of ``meta.step`` (see the module docstring).
 
         copy_from: a model dir whose tokenizer and other non-weight files are copied into the
         checkpoint's model dir. before_commit(temp_dir) runs when everything is written but not
-        yet renamed (a debug hook: the trainer pauses there for crash tests)."""
+        yet renamed (a debug hook: the trainer pauses there for crash tests). trained_ids: the
+        keys of the trainer's duplicate window (``TrainedIds.keys()``), committed with the
+        step."""
         name = _step_name(meta.step)
         if (self.root / name).exists():
             raise CheckpointError(f"{self.root / name} exists: step {meta.step} was committed")
@@ -387,6 +403,8 @@ class CheckpointStore:
                 tmp / "trainer.pt",
             )
             (tmp / "meta.json").write_text(json.dumps(meta.to_json()))
+            if trained_ids is not None:
+                np.save(tmp / TRAINED_IDS, np.ascontiguousarray(trained_ids, dtype=np.uint64))
             if self.fsync:
                 _fsync_tree(tmp)
             if before_commit is not None:
@@ -403,6 +421,20 @@ class CheckpointStore:
         _write_atomic(self.root / LATEST, name + "\n", fsync=self.fsync)  # the commit point
         self._prune(meta.step)
         return Checkpoint(self.root / name, meta)
+
+    def trained_ids(self, checkpoint: Checkpoint) -> np.ndarray:
+        """The keys of the duplicate window committed with ``checkpoint`` (uint64, oldest
+        first); empty for a checkpoint written without one."""
+        path = checkpoint.path / TRAINED_IDS
+        if not path.is_file():
+            return np.zeros(0, np.uint64)
+        try:
+            keys = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path} is not a trained-ids file: {exc}") from exc
+        if keys.dtype != np.uint64 or keys.ndim != 1:
+            raise CheckpointError(f"{path} holds {keys.dtype} {keys.shape}, not uint64 (n,)")
+        return keys
 
     def restore(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from rollstream.consumers.errors import TrainerError
@@ -41,8 +42,11 @@ class TrainerSettings(CommonSettings):
     train_token_budget: int = 16384  # padded tokens (B * T_max) per step
     train_batch_samples: int | None = None  # cap on samples per step
     train_max_staleness: int = 4
+    # sample ids of the last N trained samples, kept (and checkpointed) to drop re-emitted ones
+    train_dedup_window: int = Field(1_000_000, ge=0, le=100_000_000)
     train_clip_low: float = 0.2
     train_clip_high: float = 0.28
+    train_dual_clip: float | None = 3.0  # an A < 0 token loses at most this x |A| (none: off)
     train_normalization: Normalization = "rollout"
     train_max_steps: int | None = None  # total steps (a restart continues towards it)
     train_device: str = "cpu"
@@ -68,7 +72,12 @@ class TrainerSettings(CommonSettings):
         return self.checkpoint_dir if self.checkpoint_dir is not None else self.home / "checkpoints"
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(self.train_clip_low, self.train_clip_high, self.train_normalization)
+        return LossConfig(
+            self.train_clip_low,
+            self.train_clip_high,
+            self.train_normalization,
+            self.train_dual_clip,
+        )
 
     def debug_pause(self) -> tuple[str, int] | None:
         if not self.train_debug_pause:

@@ -3,6 +3,7 @@
 The loop, top to bottom (``Trainer.run``):
 
     record = source.decode(msg)               # bad records -> DLQ (dataset.SampleSource)
+    sample_id trained before? -> duplicate    # TrainedIds window, or earlier in the open batch
     batcher.add(sample) closes a batch?       # token budget, arrival order (batching)
     fresh = staleness filter at version N     # N = the trainer's step = version of the weights
     logp = batch_token_logprobs(model, batch) # tree forward when the batch has trees (treepack)
@@ -22,6 +23,12 @@ and the publish, the start publishes the missing PolicyVersion (it reads the pol
 last record). Version N = weights after step N; a sample is stale when
 N - sample.policy_version > max_staleness at the step that would train it; a batch that is all
 stale makes no step (its records are covered by the next step).
+
+Once per sample_id, too: a processor restarted after a crash re-sends samples (same ids, new
+offsets). The ids of the last ``train_dedup_window`` trained samples (``batching.TrainedIds``)
+are committed with each checkpoint (``trained_ids.npy``); a sample found there or earlier in the
+open batch is dropped before the batcher, counted (``duplicates_dropped``, ``duplicates_step``)
+and listed in the manifest (``duplicate``). Stale-dropped samples do not enter the window.
 
 Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the trainer write
 ``<checkpoint_dir>/debug-paused.json`` and sleep ``train_debug_pause_s`` at STAGE of step STEP:
@@ -52,7 +59,12 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.errors import TrainerError
-from rollstream.consumers.training.batching import StalenessFilter, TokenBudgetBatcher, collate
+from rollstream.consumers.training.batching import (
+    StalenessFilter,
+    TokenBudgetBatcher,
+    TrainedIds,
+    collate,
+)
 from rollstream.consumers.training.checkpoint import (
     Checkpoint,
     CheckpointMeta,
@@ -94,6 +106,7 @@ class TrainResult:
     checkpoint: Path | None
     wall_s: float
     metrics: dict[str, float] = field(default_factory=dict)  # of the last step
+    duplicates_dropped: int = 0  # samples whose sample_id was trained before
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -107,6 +120,7 @@ class _Window:
     filter: StalenessFilter
     stale: list[Polled] = field(default_factory=list)
     dlq: list[Polled] = field(default_factory=list)
+    duplicates: list[Polled] = field(default_factory=list)
 
 
 def _coords(entries: list[Polled]) -> list[tuple[int, int]]:
@@ -135,7 +149,10 @@ class Trainer:
         self.step = 0
         self.samples_trained = 0
         self.tokens_trained = 0
-        self.counters: dict[str, float] = {"stale_dropped": 0, "stale_tokens": 0, "dlq": 0}
+        self.counters = dict.fromkeys(
+            ("stale_dropped", "stale_tokens", "dlq", "duplicates_dropped"), 0.0
+        )
+        self.trained_ids = TrainedIds(s.train_dedup_window)
         self.offsets: dict[int, int] = {}  # samples topic: next offset per partition
         self.resumed_from: int | None = None
         if self.latest is not None:
@@ -144,6 +161,7 @@ class Trainer:
             self.samples_trained, self.tokens_trained = meta.samples_trained, meta.tokens_trained
             self.counters.update(meta.counters)
             self.offsets = dict(meta.offsets.get(self.topics.samples, {}))
+            self.trained_ids = TrainedIds(s.train_dedup_window, self.store.trained_ids(self.latest))
             self.resumed_from = meta.step
             log.info("resumed from %s (step %d)", self.latest.path, meta.step)
         self.source = SampleSource(
@@ -172,6 +190,7 @@ class Trainer:
             self.settings.train_token_budget, self.settings.train_batch_samples
         )
         self.pending: list[Polled] = []  # records of the open batch, in arrival order
+        self.pending_ids: set[str] = set()  # sample ids the open batch's batcher holds
         self.window = _Window(StalenessFilter(self.settings.train_max_staleness))
         self.generation = self.source.generation
         for partition, offset in self.source.assignment.items():
@@ -208,8 +227,7 @@ class Trainer:
             idle = now - last_activity
             if self.pending and s.train_flush_idle_s is not None and idle >= s.train_flush_idle_s:
                 self.batcher.flush()
-                covered, self.pending = self.pending, []
-                self._close_batch(covered)
+                self._close_batch(self._take_pending())
             elif (
                 not self.pending
                 and s.train_exit_idle_s is not None
@@ -228,27 +246,47 @@ class Trainer:
             checkpoint=None if self.latest is None else self.latest.model_dir,
             wall_s=time.monotonic() - started,
             metrics=dict(self.latest.meta.metrics) if self.latest is not None else {},
+            duplicates_dropped=int(self.counters["duplicates_dropped"]),
         )
 
+    def _take_pending(self) -> list[Polled]:
+        covered, self.pending, self.pending_ids = self.pending, [], set()
+        return covered
+
     def _intake(self, rec: Polled) -> None:
-        if rec.sample is not None:
-            closed = self.batcher.add(rec.sample)
-            if closed is not None:  # the batch is every record before this one
-                covered, self.pending = self.pending, []
-                self._close_batch(covered)
+        sample = rec.sample
+        duplicate = sample is not None and (
+            sample.sample_id in self.pending_ids or sample.sample_id in self.trained_ids
+        )
+        if sample is not None and not duplicate:  # a duplicate takes no token budget
+            closed = self.batcher.add(sample)
+            if closed is not None and closed[-1] is sample:  # the count cap: this one completes
+                self.pending_ids.add(sample.sample_id)  # the batch, every record up to it
+                self.pending.append(rec)
+                self._close_batch(self._take_pending())
+                return
+            if closed is not None:  # the token budget: the batch is every record before this one
+                self._close_batch(self._take_pending())
+            self.pending_ids.add(sample.sample_id)
         self.pending.append(rec)
 
     def _close_batch(self, covered: list[Polled]) -> None:
-        """Filter a closed batch by staleness, and train on what is left (if anything)."""
+        """Drop duplicates (the intake's decision, made again), filter the rest by staleness,
+        and train on what is left (if anything)."""
         version = self.step  # the weights this step updates
         kept: list[Polled] = []
+        seen: set[str] = set()
         for e in covered:
             if e.sample is None:
                 self.window.dlq.append(e)
-            elif self.window.filter.keep(e.sample, version):
-                kept.append(e)
+            elif e.sample.sample_id in seen or e.sample.sample_id in self.trained_ids:
+                self.window.duplicates.append(e)
             else:
-                self.window.stale.append(e)
+                seen.add(e.sample.sample_id)
+                if self.window.filter.keep(e.sample, version):
+                    kept.append(e)
+                else:
+                    self.window.stale.append(e)
         if kept:
             self._train(kept, covered)
 
@@ -264,7 +302,7 @@ class Trainer:
         self._debug_pause("optimizer", step)
         metrics["padded_tokens"] = float(batch["input_ids"].numel())
         metrics["step_time_s"] = time.perf_counter() - t0
-        self._commit(self._step_meta(step, kept, covered, metrics))
+        self._commit(self._step_meta(step, kept, covered, metrics), [x.sample_id for x in samples])
 
     def _step_meta(
         self, step: int, kept: list[Polled], covered: list[Polled], metrics: dict[str, float]
@@ -272,7 +310,7 @@ class Trainer:
         """The checkpoint metadata of a step: offsets past every covered record, counters."""
         window = self.window
         offsets = dict(self.offsets)
-        for e in window.stale + window.dlq + covered:
+        for e in window.stale + window.dlq + window.duplicates + covered:
             offsets[e.partition] = max(offsets.get(e.partition, 0), e.offset + 1)
         samples = [e.sample for e in kept if e.sample is not None]
         tokens = sum(len(x.input_ids) for x in samples)
@@ -280,6 +318,7 @@ class Trainer:
         counters["stale_dropped"] += window.filter.dropped
         counters["stale_tokens"] += window.filter.dropped_tokens
         counters["dlq"] += len(window.dlq)
+        counters["duplicates_dropped"] += len(window.duplicates)
         counters["skipped_steps"] = counters.get("skipped_steps", 0.0) + metrics["skipped"]
         counters["max_staleness_seen"] = max(
             counters.get("max_staleness_seen", 0.0), float(window.filter.max_seen_staleness)
@@ -290,6 +329,7 @@ class Trainer:
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "stale_dropped_step": float(window.filter.dropped),
             "dlq_step": float(len(window.dlq)),
+            "duplicates_step": float(len(window.duplicates)),
             "policy_version_min": float(min(x.policy_version for x in samples)),
             **counters,
         }
@@ -302,20 +342,28 @@ class Trainer:
             tokens_trained=self.tokens_trained + tokens,
             counters=counters,
             metrics=metrics,
-            manifest=Manifest(topic, _coords(kept), _coords(window.stale), _coords(window.dlq)),
+            manifest=Manifest(
+                topic, *map(_coords, (kept, window.stale, window.dlq, window.duplicates))
+            ),
             base_model=str(self.settings.resolved_model_path()),
         )
 
-    def _commit(self, meta: CheckpointMeta) -> None:
-        """Checkpoint (atomic), then publish the PolicyVersion, then commit group offsets."""
+    def _commit(self, meta: CheckpointMeta, sample_ids: list[str]) -> None:
+        """Checkpoint (atomic) with the duplicate window grown by ``sample_ids`` (the step's
+        trained samples), then publish the PolicyVersion, then commit group offsets."""
         s, step = self.settings, meta.step
         self.source.flush()  # dead letters are durable before offsets move past them
+        # the window as of this step; if the save fails the trainer stops (run raises) and a
+        # restart reads the window of the last committed step
+        for sample_id in sample_ids:
+            self.trained_ids.add(sample_id)
         ckpt = self.store.save(
             meta,
             self.model,
             self.optimizer,
             copy_from=s.resolved_model_path(),
             before_commit=lambda _tmp: self._debug_pause("checkpoint", step),
+            trained_ids=self.trained_ids.keys(),
         )
         # committed: from here on this is the trainer's state
         self.latest, self.step = ckpt, step

@@ -13,6 +13,11 @@ routes a harness that speaks only HTTP uses to create a rollout, post rewards an
                                            evaluator_output, ...}]}: lifecycle facts of the
                                            rollout service (lifecycle.py); a rollout token: 403
 
+A reward's ``value`` is a number in [-REWARD_BOUND, REWARD_BOUND] (1e6, rollstream.schemas);
+any other (a string, a bool, 1.7e308) is 400 naming ``value`` (or ``rewards[i].value``) and
+nothing of that request is recorded: the stream processors would dead-letter it as
+``bad_reward``. NaN, Infinity and 1e400 are not JSON numbers at all (400 ``invalid_json``).
+
 Tokens: ``rs1.<rollout_id>.<sig>`` with sig = base64url(HMAC-SHA256(secret, rollout_id)). A
 token opens only the rollout named in it: a bad signature is 401, a good token used on another
 rollout's URL is 403. Admin keys (``proxy_api_keys``) open everything; with no admin key set the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import math
 import re
 import time
 from collections import OrderedDict
@@ -46,7 +52,7 @@ from rollstream.producers.proxy.lifecycle import parse_lifecycle
 from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, dumps, json_answer
 from rollstream.producers.proxy.pool import BackendPool
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError, RolloutHandle
-from rollstream.schemas import RewardKind, RolloutStatus
+from rollstream.schemas import REWARD_BOUND, RewardKind, RolloutStatus
 
 __all__ = ["Auth", "OpenRollout", "RolloutApi", "RolloutTokens", "Rollouts"]
 
@@ -244,6 +250,18 @@ def _opt_int(body: dict[str, Any], key: str, default: int | None) -> Any:
     return value
 
 
+def _reward_value(value: Any) -> float | None:
+    """A reward value as a float in [-REWARD_BOUND, REWARD_BOUND], else None (not a number, a
+    bool, NaN, an infinity or larger: the stream processors would dead-letter it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        return None
+    return number if math.isfinite(number) and abs(number) <= REWARD_BOUND else None
+
+
 class RolloutApi:
     """Handlers of the rollout routes, over a registry, tokens and admin keys."""
 
@@ -344,9 +362,13 @@ class RolloutApi:
         parsed = []
         for i, item in enumerate(items):
             p = f"rewards[{i}]" if "rewards" in body else ""
-            value = item.get("value") if isinstance(item, dict) else None
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ApiError(400, "`value` must be a number", param=f"{p}.value".lstrip("."))
+            value = _reward_value(item.get("value") if isinstance(item, dict) else None)
+            if value is None:
+                raise ApiError(
+                    400,
+                    f"`value` must be a number in [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]",
+                    param=f"{p}.value".lstrip("."),
+                )
             try:
                 kind = RewardKind(item.get("kind", "final"))
             except ValueError:
@@ -356,7 +378,7 @@ class RolloutApi:
                 ) from None
             at_call_id = _opt_str(item, "at_call_id", None)
             names = _opt_str(item, "name"), _opt_str(item, "evaluator")
-            parsed.append((float(value), kind, names[0], at_call_id, names[1]))
+            parsed.append((value, kind, names[0], at_call_id, names[1]))
         ids = []
         for value, kind, name, at_call_id, evaluator in parsed:
             try:

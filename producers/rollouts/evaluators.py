@@ -56,6 +56,7 @@ from rollstream.producers.rollouts.jobs import (
 )
 from rollstream.producers.rollouts.sandbox import ExecResult, Sandbox
 from rollstream.producers.rollouts.tasks import Task, parse_check_output
+from rollstream.schemas import REWARD_BOUND
 
 __all__ = [
     "CommandEvaluator",
@@ -91,6 +92,21 @@ class Evaluation:
     @classmethod
     def not_judged(cls, status: EvalStatus, reason: str, output: str = "") -> Evaluation:
         return cls(0.0, (), status, clip(reason, MAX_REASON), output)
+
+    def bounded(self) -> Evaluation:
+        """This evaluation, or ``failed`` when a reward it would post is not a number in
+        [-REWARD_BOUND, REWARD_BOUND] (the proxy would refuse it; the contract says why)."""
+        if self.status != "ok":
+            return self
+        values = [("final", self.final), *self.milestones]
+        for name, value in values:
+            if not (math.isfinite(value) and abs(value) <= REWARD_BOUND):
+                return Evaluation.not_judged(
+                    "failed",
+                    f"reward {name} = {value!r} is outside [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]",
+                    self.output,
+                )
+        return self
 
 
 class Evaluator(Protocol):

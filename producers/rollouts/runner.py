@@ -450,7 +450,7 @@ class RolloutStages:
         try:
             evaluation = self.evaluator.evaluate(
                 self.task, self.sandbox, t0 + self.job.timeouts.eval
-            )
+            ).bounded()
         except Exception as exc:  # an evaluator must not raise either
             self.log.exception("evaluator %s raised", self.evaluator.name)
             evaluation = Evaluation.not_judged("failed", f"the evaluator raised {exc!r}")

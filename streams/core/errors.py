@@ -44,7 +44,7 @@ class InvalidCode(enum.StrEnum):
     PREFIX_OUT_OF_RANGE = "prefix_out_of_range"
     LOGPROBS_LENGTH = "logprobs_length"
     UNKNOWN_CALL = "unknown_call"  # Reward / ToolCall / Branch naming a call never seen
-    BAD_REWARD = "bad_reward"  # a reward that is not a finite number
+    BAD_REWARD = "bad_reward"  # a reward value that is not a number in [-1e6, 1e6]
     LATE_TRAJECTORY = "late_trajectory"  # a new rollout for a group that already closed
     BAD_TRAJECTORY = "bad_trajectory"  # a Trajectory record whose tree is inconsistent
 

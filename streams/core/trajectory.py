@@ -28,7 +28,6 @@ nor the score (the sink keeps them in their own tables).
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
@@ -50,7 +49,7 @@ from rollstream.schemas.events import (
 
 from .config import BuilderConfig
 from .errors import ContractViolation, InvalidCode
-from .scoring import score_trajectories
+from .scoring import REWARD_BOUND, reward_in_bounds, score_trajectories
 from .tree import CallTree
 
 __all__ = [
@@ -288,8 +287,11 @@ def _on_tool_call(state: RolloutState, event: Event, config: BuilderConfig) -> N
 def _on_reward(state: RolloutState, event: Event, config: BuilderConfig) -> None:
     reward = event.body
     assert isinstance(reward, Reward)
-    if not math.isfinite(reward.value):
-        raise ContractViolation(InvalidCode.BAD_REWARD, f"reward value {reward.value}")
+    if not reward_in_bounds(reward.value):
+        raise ContractViolation(
+            InvalidCode.BAD_REWARD,
+            f"reward value {reward.value} is not a number in [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]",
+        )
     at_call = _known_call(state, reward.at_call_id)
     state.rewards.append(RewardRecord(reward.value, str(reward.kind), reward.name, at_call))
 

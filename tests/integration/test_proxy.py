@@ -36,12 +36,14 @@ from rollstream.producers.proxy.chat import ChatTemplate
 from rollstream.producers.proxy.policy_watch import PolicyWatcher
 from rollstream.producers.proxy.settings import ProxySettings
 from rollstream.schemas import (
+    REWARD_BOUND,
     Codec,
     CommonSettings,
     EvaluatorOutput,
     Event,
     LlmCall,
     PolicyVersion,
+    Reward,
     RolloutError,
     SandboxEvent,
     StageEvent,
@@ -691,6 +693,23 @@ def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model
             status, body = post(chat_a, json=ok, headers=auth)
             assert status == 503 and body["error"]["code"] == "backend_unavailable"
             proxy.pool.members[0].backend.base_url = burl
+            # a reward outside [-1e6, 1e6] (the processors would dead-letter it) is 400 naming
+            # `value`, and nothing of a refused batch is recorded; the bound itself passes
+            rewards = f"{url}/v1/rollouts/{a['rollout_id']}/rewards"
+            bound = f"must be a number in [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]"
+            for bad in (1e6 + 1, -1.7e308, True, "1", None):
+                status, body = post(rewards, json={"value": bad}, headers=auth)
+                assert status == 400 and body["error"]["param"] == "value", (bad, body)
+                assert bound in body["error"]["message"]
+            for bad_json in (b'{"value": NaN}', b'{"value": Infinity}', b'{"value": 1e400}'):
+                status, body = post(rewards, content=bad_json, headers=auth)  # not even JSON
+                assert status == 400 and body["error"]["code"] == "invalid_json", (bad_json, body)
+            batch = {"rewards": [{"value": 0.5}, {"value": -2e6, "kind": "partial"}]}
+            status, body = post(rewards, json=batch, headers=auth)
+            assert status == 400 and body["error"]["param"] == "rewards[1].value"
+            edges = [{"value": REWARD_BOUND}, {"value": -REWARD_BOUND, "kind": "penalty"}]
+            status, body = post(rewards, json={"rewards": edges}, headers=auth)
+            assert status == 200 and body["recorded"] == 2
             post(f"{url}/v1/rollouts/{a['rollout_id']}/finish", json={"status": "failed"},
                  headers=auth)  # fmt: skip
             status, body = post(chat_a, json=ok, headers=auth)
@@ -702,6 +721,7 @@ def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model
     assert err.code == 503 and err.backend == burl and err.call_id
     assert [e.kind for e in events][-1] == "RolloutFinished"
     assert len(calls_of(events)) == 2
+    assert [e.body.value for e in events if isinstance(e.body, Reward)] == [1e6, -1e6]
 
 
 def test_policy_watcher_dead_letters_an_undecodable_record(kafka_settings: CommonSettings) -> None:

@@ -93,10 +93,10 @@ def test_batcher_closes_on_padded_budget() -> None:
 def test_batcher_add_flush_and_limits() -> None:
     batcher = TokenBudgetBatcher(max_tokens=100, max_samples=2)
     assert batcher.add(make_sample(4, sid="a")) is None
-    assert batcher.add(make_sample(6, sid="b")) is None
-    assert batcher.pending_padded_tokens == 12
-    closed = batcher.add(make_sample(3, sid="c"))  # max_samples reached
+    assert batcher.pending_padded_tokens == 4
+    closed = batcher.add(make_sample(6, sid="b"))  # max_samples reached: closed at once
     assert closed is not None and [s.sample_id for s in closed] == ["a", "b"]
+    assert batcher.add(make_sample(3, sid="c")) is None
     assert [s.sample_id for s in batcher.flush() or []] == ["c"]
     with pytest.raises(BatchingError, match="exceed the budget"):
         batcher.add(make_sample(101, sid="long"))

@@ -537,7 +537,7 @@ def _identical(a: Any, b: Any) -> None:
         assert a == b
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.one_of(events, trajectories, samples(), policy_versions))
 def test_compiled_reader_matches_fastavro(record: Any) -> None:
     name = next(n for n, cls in RECORD_TYPES.items() if cls is type(record))

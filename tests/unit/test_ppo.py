@@ -194,3 +194,23 @@ def test_loss_config_validation() -> None:
         LossConfig(clip_low=1.0)
     with pytest.raises(ValueError):
         LossConfig(normalization="mean")
+
+
+def test_dual_clip_bounds_an_off_policy_token_with_negative_advantage() -> None:
+    # ratios 10, 2, 0.5 with A = -1; clip range [0.8, 1.28]; dual clip c = 3:
+    #   -min(-10, -1.28) = 10  -> bounded to c * |A| = 3 (no gradient)
+    #   -min(-2, -1.28)  = 2   (under the bound: kept, gradient r / 3)
+    #   -min(-0.5, -0.8) = 0.8 (clipped low: no gradient)
+    # token mean = (3 + 2 + 0.8) / 3
+    logp, old = _logp_for_ratios([[10.0, 2.0, 0.5]])
+    loss, stats = ppo_clip_loss(
+        logp, old, torch.tensor([-1.0]), torch.ones(1, 3), normalization="token", dual_clip=3.0
+    )
+    assert loss.item() == pytest.approx(5.8 / 3, rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0 / 3, 0.0]]))
+    assert stats["dual_clip_frac"].item() == pytest.approx(1 / 3)
+    off, _ = ppo_clip_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 3), normalization="token")
+    assert off.item() == pytest.approx(12.8 / 3, rel=1e-6)  # unbounded without it
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossConfig(dual_clip=0.5)

@@ -239,3 +239,15 @@ def test_python_evaluator_that_cannot_be_built(target: str, words: str) -> None:
 def test_build_evaluator() -> None:
     assert build_evaluator(SuiteEvaluatorSpec(kind="suite")).name == "suite"
     assert build_evaluator(CommandEvaluatorSpec(kind="command", argv=["true"])).name == "command"
+
+
+def test_an_evaluation_outside_the_reward_bound_is_failed_not_posted() -> None:
+    from rollstream.producers.rollouts.evaluators import Evaluation
+
+    ok = Evaluation(final=0.5, milestones=(("m", 1.0),))
+    assert ok.bounded() is ok
+    huge = Evaluation(final=2e6).bounded()
+    assert huge.status == "failed" and "final" in huge.reason
+    bad_milestone = Evaluation(final=1.0, milestones=(("m", float("inf")),)).bounded()
+    assert bad_milestone.status == "failed" and "m = inf" in bad_milestone.reason
+    assert Evaluation.not_judged("timeout", "late").bounded().status == "timeout"
