@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from rollstream.schemas import CommonSettings, TopicSpec
@@ -24,6 +24,8 @@ __all__ = [
     "admin_client",
     "describe_topics",
     "ensure_topics",
+    "group_lag",
+    "high_watermarks",
     "watermarks",
 ]
 
@@ -168,3 +170,26 @@ def watermarks(consumer: Any, tp: Any, timeout: float) -> tuple[int, int]:
             if time.monotonic() > deadline:
                 raise TopicError(f"watermarks of {tp.topic}[{tp.partition}]: {exc}") from exc
             time.sleep(0.2)
+
+
+def high_watermarks(consumer: Any, topic: str, timeout: float = 10.0) -> dict[int, int]:
+    """Partition -> high watermark (the next offset) of every partition of ``topic``."""
+    meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+    if meta is None or meta.error is not None:
+        raise TopicError(f"topic {topic} does not exist")
+    return {p: watermarks(consumer, TopicPartition(topic, p), timeout)[1] for p in meta.partitions}
+
+
+def group_lag(
+    admin: AdminClient, group: str, highs: dict[int, int], topic: str, timeout: float = 10.0
+) -> int:
+    """Records of ``topic`` the consumer ``group`` has not committed past: the sum over
+    partitions of high watermark - committed offset (a partition with no commit counts from
+    0, so a group that never committed lags by everything)."""
+    request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in highs])
+    try:
+        answer = admin.list_consumer_group_offsets([request])[group].result(timeout=timeout)
+    except KafkaException as exc:
+        raise TopicError(f"offsets of group {group}: {exc}") from exc
+    committed = {tp.partition: tp.offset for tp in answer.topic_partitions if tp.offset >= 0}
+    return sum(max(high - committed.get(p, 0), 0) for p, high in highs.items())

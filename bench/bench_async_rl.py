@@ -1,13 +1,30 @@
-"""Async vs sync RL on the demo workload: wall time for N policy versions with rollouts
-overlapping training (bounded staleness) against strictly alternating (each round of rollouts
-waits for the policy trained on the previous one), and the staleness distribution of what was
-trained (trainer version - 1 - the sample's policy version, from the checkpoint manifests).
+"""Synchronous vs asynchronous RL on the rollout service, with environment time.
 
-Both runs use the same broker, model and settings in one session, one after the other
-(``--order`` picks which goes first). The loop time excludes service start-up.
-``--quick`` runs 3 steps each; it cannot finish in 30 s: each run starts five services.
+Each run is ``rollstream demo`` (model server, proxy, stage workers, processors, trainer; no
+sink) on one broker, in a namespace of its own, trained to the same number of policy versions
+with the same samples per step, so every mode trains the same number of samples. The demo's
+agent waits in each tool call for an environment time drawn from a lognormal distribution
+(``--env-median`` seconds, shape ``--env-sigma``, capped at ``--env-max``): long-tailed, as
+sandbox commands and test runs are. Samples are one per rollout (tree mode, no DAPO filter), a
+step is one round (``tasks x group`` samples).
 
-    python bench/bench_async_rl.py [--quick] [--steps N] [--bootstrap HOST:PORT]
+Modes:
+- ``sync``: strictly on-policy. A round of rollouts, then the step trained on it, then the next
+  round under the new policy (trainer max staleness 0: a sample of an older policy would be
+  dropped and counted).
+- ``async``: rollouts submitted continuously, RUN at full concurrency, the trainer drops samples
+  staler than ``--max-staleness`` (wasted rollouts).
+- ``async+controller``: the same with the elastic controller: a rollout starts only while the
+  trainer can still train it (staleness-aware admission).
+
+Figures per mode (median over ``--runs``): seconds to the last policy version and its
+speed-up over sync (what a user waits for ``--steps`` versions, the pipeline's filling
+included), seconds per step after the first version and its speed-up (steady state, what
+a long run converges to), staleness of the trained samples and the samples dropped as stale
+(from the trainer's checkpoint manifests), rollouts finished, and the mean reward of the
+rollouts generated under the last two versions (the reward at equal trainer steps).
+
+    python bench/bench_async_rl.py [--quick] [--runs N] [--steps N] [--modes sync,async,...]
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ import collections
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +48,8 @@ from confluent_kafka import Consumer, TopicPartition
 from rollstream.consumers.training.checkpoint import CheckpointStore
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.schemas import Codec, CommonSettings, Sample
+
+MODES = ("sync", "async", "async+controller")
 
 
 def sample_versions(bootstrap: str, topic: str) -> dict[tuple[int, int], int]:
@@ -56,17 +76,33 @@ def sample_versions(bootstrap: str, topic: str) -> dict[tuple[int, int], int]:
     return out
 
 
-def run_mode(mode: str, bootstrap: str, home: Path, steps: int) -> dict[str, Any]:
-    namespace = f"bench{mode}{uuid.uuid4().hex[:4]}"
+def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) -> dict[str, Any]:
+    namespace = f"bench{mode.replace('+', '')}{uuid.uuid4().hex[:4]}"
+    per_round = args.tasks * args.group
     env = {
         **os.environ,
         "ROLLSTREAM_HOME": str(home),
         "ROLLSTREAM_KAFKA_BOOTSTRAP": bootstrap,
         "ROLLSTREAM_NAMESPACE": namespace,
-        "ROLLSTREAM_DEMO_STEPS": str(steps),
-        "ROLLSTREAM_DEMO_SYNC": "true" if mode == "sync" else "false",
+        "ROLLSTREAM_DEMO_STEPS": str(args.steps),
+        "ROLLSTREAM_DEMO_TASKS": str(args.tasks),
+        "ROLLSTREAM_DEMO_GROUP_SIZE": str(args.group),
+        "ROLLSTREAM_DEMO_WORKERS": str(args.workers),
+        "ROLLSTREAM_DEMO_SYNC": str(mode == "sync").lower(),
+        "ROLLSTREAM_DEMO_STREAM": str(mode != "sync").lower(),
+        "ROLLSTREAM_DEMO_CONTROLLER": str(mode == "async+controller").lower(),
+        "ROLLSTREAM_DEMO_MAX_STALENESS": "0" if mode == "sync" else str(args.max_staleness),
+        "ROLLSTREAM_DEMO_ENV_MEDIAN_S": str(args.env_median),
+        "ROLLSTREAM_DEMO_ENV_SIGMA": str(args.env_sigma),
+        "ROLLSTREAM_DEMO_ENV_MAX_S": str(args.env_max),
+        "ROLLSTREAM_DEMO_BATCH_SAMPLES": str(per_round),
+        "ROLLSTREAM_DEMO_TOKEN_BUDGET": str(per_round * 256),
+        "ROLLSTREAM_DEMO_FLUSH_IDLE_S": "none",
+        "ROLLSTREAM_DEMO_SAMPLE_MODE": "tree",
+        "ROLLSTREAM_DEMO_DROP_ZERO_VARIANCE": "false",
+        "ROLLSTREAM_DEMO_STOP_AT_TRAINED": "true",
         "ROLLSTREAM_DEMO_SINK": "false",
-        "ROLLSTREAM_DEMO_MAX_MINUTES": "20",
+        "ROLLSTREAM_DEMO_MAX_MINUTES": str(args.max_minutes),
     }
     t = time.monotonic()
     proc = subprocess.run(
@@ -74,31 +110,68 @@ def run_mode(mode: str, bootstrap: str, home: Path, steps: int) -> dict[str, Any
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=args.max_minutes * 60 + 600,
     )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} demo failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     summary = json.loads((home / namespace / "demo-summary.json").read_text())
+    if args.keep is not None:  # the services' logs, for a look at what each mode did
+        shutil.copytree(home / namespace / "logs", args.keep / namespace, dirs_exist_ok=True)
     versions = sample_versions(bootstrap, CommonSettings(namespace=namespace).topics().samples)
     staleness: collections.Counter[int] = collections.Counter()
+    stale_dropped = trained = 0
     for step, manifest in CheckpointStore(home / namespace / "checkpoints").manifests():
+        stale_dropped += len(manifest.stale)
+        trained += len(manifest.trained)
         for po in manifest.trained:
             if po in versions:
                 staleness[step - 1 - versions[po]] += 1
-    summary["wall_s"] = round(time.monotonic() - t, 1)
-    summary["s_per_step"] = round(summary["loop_s"] / max(summary["steps"], 1), 2)
-    summary["staleness"] = {str(k): v for k, v in sorted(staleness.items())}
-    return summary
+    version_s = {int(k): v for k, v in summary["version_s"].items()}
+    if max(version_s, default=0) < args.steps:
+        raise SystemExit(f"{mode}: policy {args.steps} not reached in {args.max_minutes} min")
+    rewards = {int(k): v for k, v in summary["mean_reward_by_version"].items()}
+    last = sorted(v for v in rewards if v < args.steps)[-2:]
+    first = min(v for v in version_s if v >= 1)
+    steady = (version_s[args.steps] - version_s[first]) / max(args.steps - first, 1)
+    return {
+        "wall_s": round(time.monotonic() - t, 1),
+        "to_last_version_s": version_s[args.steps],
+        "to_first_version_s": version_s[first],
+        "steady_s_per_step": round(steady, 2),
+        "samples_trained": trained,
+        "stale_dropped": stale_dropped,
+        "rollouts": summary["rollouts"],
+        "failed": summary["failed"],
+        "staleness": {str(k): v for k, v in sorted(staleness.items())},
+        "reward_last_versions": round(statistics.fmean(rewards[v] for v in last), 3)
+        if last
+        else None,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="1 run of 3 versions per mode")
+    ap.add_argument("--runs", type=int)
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--tasks", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=16, help="RUN slots (rollouts at once)")
+    ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--env-median", type=float, default=1.0)
+    ap.add_argument("--env-sigma", type=float, default=1.0)
+    ap.add_argument("--env-max", type=float, default=20.0)
+    ap.add_argument("--max-minutes", type=float, default=15.0)
     ap.add_argument("--bootstrap")
-    ap.add_argument("--order", default="sync,async")
+    ap.add_argument("--keep", type=Path, help="copy each run's service logs here")
     args = ap.parse_args()
-    steps = args.steps or (3 if args.quick else 12)
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.steps = args.steps or (3 if args.quick else 6)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)} (known: {', '.join(MODES)})")
     tmp = Path(tempfile.mkdtemp(prefix="bench-async-"))
     broker = None
     bootstrap = args.bootstrap
@@ -107,32 +180,57 @@ def main() -> None:
             BrokerConfig(data_dir=tmp / "kafka", port=free_port(), controller_port=free_port())
         ).start()
         bootstrap = broker.bootstrap
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
-        runs = {
-            mode: run_mode(mode, bootstrap, tmp / "home", steps) for mode in args.order.split(",")
-        }
+        for i in range(args.runs):  # modes interleaved, so drift of the machine hits all alike
+            for mode in modes:
+                r = run_mode(mode, bootstrap, tmp / "home", args)
+                runs[mode].append(r)
+                print(f"run {i + 1} {mode}: {json.dumps(r)}", flush=True)
     finally:
         if broker is not None:
             broker.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    sync, async_ = runs["sync"], runs["async"]
-    result = {
+    result: dict[str, Any] = {
         "bench": "async_rl",
-        "steps": steps,
-        "sync_s_per_step": sync["s_per_step"],
-        "async_s_per_step": async_["s_per_step"],
-        "speedup_async_vs_sync": round(sync["s_per_step"] / async_["s_per_step"], 2),
-        "sync_staleness": sync["staleness"],
-        "async_staleness": async_["staleness"],
-        "sync_rollouts": sync["rollouts"],
-        "async_rollouts": async_["rollouts"],
-        "sync_reward_by_version": sync["mean_reward_by_version"],
-        "async_reward_by_version": async_["mean_reward_by_version"],
+        "steps": args.steps,
+        "samples_per_step": args.tasks * args.group,
+        "runs": args.runs,
+        "workers": args.workers,
+        "env": {"median_s": args.env_median, "sigma": args.env_sigma, "max_s": args.env_max},
+        "max_staleness": args.max_staleness,
+        "modes": {},
     }
-    print(
-        f"sync {sync['s_per_step']} s/step, async {async_['s_per_step']} s/step: "
-        f"{result['speedup_async_vs_sync']}x"
-    )
+    base = None
+    for mode in modes:
+        rs = runs[mode]
+        median = statistics.median(r["to_last_version_s"] for r in rs)
+        base = median if mode == "sync" else base
+        result["modes"][mode] = {
+            "to_last_version_s_median": round(median, 1),
+            "to_last_version_s": [r["to_last_version_s"] for r in rs],
+            "steady_s_per_step_median": statistics.median(r["steady_s_per_step"] for r in rs),
+            "to_first_version_s_median": statistics.median(r["to_first_version_s"] for r in rs),
+            "stale_dropped_median": statistics.median(r["stale_dropped"] for r in rs),
+            "samples_trained_median": statistics.median(r["samples_trained"] for r in rs),
+            "rollouts_median": statistics.median(r["rollouts"] for r in rs),
+            "staleness": rs[-1]["staleness"],
+            "reward_last_versions": [r["reward_last_versions"] for r in rs],
+        }
+    if base:
+        for mode in modes:
+            m = result["modes"][mode]
+            m["speedup_vs_sync"] = round(base / m["to_last_version_s_median"], 2)
+            m["steady_speedup_vs_sync"] = round(
+                result["modes"]["sync"]["steady_s_per_step_median"] / m["steady_s_per_step_median"],
+                2,
+            )
+    for mode, m in result["modes"].items():
+        print(
+            f"{mode:18s} {m['to_last_version_s_median']:7.1f} s to v{args.steps}  "
+            f"x{m.get('speedup_vs_sync', '-')}  stale dropped {m['stale_dropped_median']}  "
+            f"staleness {m['staleness']}"
+        )
     print(json.dumps(result))
 
 

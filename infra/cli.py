@@ -290,6 +290,34 @@ def _show_status(status: Any) -> None:
     )
 
 
+def cmd_controller(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.consumers.control.controller import run
+
+    return run(settings)
+
+
+def cmd_simulate(args: argparse.Namespace, settings: Any) -> int:
+    from pydantic import ValidationError
+
+    from rollstream.consumers.control.simulate_cli import SimulateSettings, run
+
+    options: dict[str, Any] = {"workload": args.workload, "seeds": args.seeds}
+    if args.policies:
+        options["policies"] = [p for p in args.policies.split(",") if p]
+    if args.samples is not None:
+        options["samples"] = args.samples
+    if args.plot is not None:
+        options["plot"] = args.plot
+    options["json_output"] = args.json
+    try:
+        sim = SimulateSettings(**options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        _say(f"simulate: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+        return 2
+    return int(run(sim, _console(stderr=False)))
+
+
 def cmd_workers(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.producers.rollouts.workers import run_workers
 
@@ -561,6 +589,51 @@ _COMMANDS = (
             flag("--proxy", help="the recording proxy's URL", setting="rollouts_proxy_url"),
         ),
         cmd_workers,
+        service=True,
+    ),
+    Command(
+        "simulate",
+        "simulate an RL run under each async/elastic policy (rollstream's and the published ones)",
+        _STACK,
+        "cli",
+        (
+            flag(
+                "--workload",
+                help="a built-in workload (agent_lightning, areal, verl_fully_async, qwengyre_a, "
+                "qwengyre_b, this_machine) or a JSON file [default %(default)s]",
+                default="this_machine",
+                metavar="NAME|FILE",
+            ),
+            flag("--policies", help="comma list of policies [default: all]", metavar="A,B"),
+            flag("--seeds", help="runs per policy [default %(default)s]", type=int, default=3),
+            flag("--samples", help="samples to train [default: the workload's]", type=int),
+            flag("--plot", help="write a PNG plot here", metavar="FILE"),
+            flag("--json", help="one JSON object instead of the table", action="store_true"),
+        ),
+        cmd_simulate,
+    ),
+    Command(
+        "controller",
+        "the elastic controller: staleness-aware admission and the rollout/training split",
+        "rollstream.consumers.control.controller:ControlSettings",
+        "cli",
+        (
+            flag(
+                "--max-staleness",
+                help="the trainer's staleness bound (versions)",
+                setting="control_max_staleness",
+                type=int,
+                metavar="N",
+            ),
+            flag(
+                "--period",
+                help="seconds between decisions",
+                setting="control_period_s",
+                type=float,
+                metavar="S",
+            ),
+        ),
+        cmd_controller,
         service=True,
     ),
     Command(

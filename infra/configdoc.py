@@ -42,7 +42,16 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
     ),
     ("reports (`report`)", "rollstream.consumers.analytics.report_cli", "ReportSettings"),
     ("replay (`replay`)", "rollstream.consumers.analytics.replay", "ReplaySettings"),
-    ("rollout jobs (`run-job`)", "rollstream.producers.rollouts.settings", "RolloutSettings"),
+    (
+        "rollout jobs (`run-job`, `workers`)",
+        "rollstream.producers.rollouts.settings",
+        "RolloutSettings",
+    ),
+    (
+        "elastic controller (`controller`)",
+        "rollstream.consumers.control.controller",
+        "ControlSettings",
+    ),
 )
 
 _FIELD = re.compile(r"^\s{4}(\w+)\s*:[^#]*?(?:#\s*(.*))?$")

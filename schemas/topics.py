@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 __all__ = [
+    "CONTROL_DECISIONS",
+    "CONTROL_WORKERS",
     "DLQ",
     "EVENTS",
     "JOBS",
@@ -27,6 +29,9 @@ SAMPLES = "samples"
 POLICY = "policy.versions"
 TASKS = ("rollout.tasks.init", "rollout.tasks.run", "rollout.tasks.eval")
 JOBS = "rollout.jobs"
+CONTROL_WORKERS = "control.workers"
+CONTROL_DECISIONS = "control.decisions"
+_DAY_MS = 24 * 3600 * 1000
 
 _FOREVER = -1
 _WEEK_MS = 7 * 24 * 3600 * 1000
@@ -94,6 +99,19 @@ _BASE: tuple[TopicSpec, ...] = (
         for t in TASKS
     ),
     TopicSpec(JOBS, 1, "job_id", "rollout-service jobs: submitted (the plan), cancelled"),
+    TopicSpec(
+        CONTROL_WORKERS,
+        1,
+        "worker id",
+        "rollout-service workers' load reports (schemas/control.py)",
+        retention_ms=_DAY_MS,
+    ),
+    TopicSpec(
+        CONTROL_DECISIONS,
+        1,
+        "capacity",
+        "the elastic controller's decisions: RUN slots, admission, inference share",
+    ),
 )
 
 
@@ -131,6 +149,14 @@ class Topics:
     @property
     def jobs(self) -> str:
         return self.name(JOBS)
+
+    @property
+    def control_workers(self) -> str:
+        return self.name(CONTROL_WORKERS)
+
+    @property
+    def control_decisions(self) -> str:
+        return self.name(CONTROL_DECISIONS)
 
     def task(self, stage: str) -> str:
         return self.name(f"rollout.tasks.{stage}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -145,6 +146,16 @@ def _seed(rollout_id: str) -> int:
     return int(hashlib.sha256(rollout_id.encode()).hexdigest()[:8], 16)
 
 
+def env_seconds(rollout_id: str, turn: int, median_s: float, sigma: float, cap_s: float) -> float:
+    """The simulated environment time of one tool call: lognormal with median ``median_s`` and
+    shape ``sigma`` (long-tailed: with sigma 1.0 the mean is 1.65x the median and one call in
+    100 takes 10x the median), capped at ``cap_s``; the same for the same rollout and turn."""
+    if median_s <= 0:
+        return 0.0
+    rng = random.Random(_seed(rollout_id) * 1000 + turn)
+    return min(rng.lognormvariate(math.log(median_s), sigma), cap_s)
+
+
 def run_agent(
     ctx: AgentContext,
     *,
@@ -152,10 +163,16 @@ def run_agent(
     max_tokens: int = 16,
     temperature: float = 1.0,
     model: str = "rollstream-tiny",
+    env_median_s: float = 0.0,
+    env_sigma: float = 1.0,
+    env_max_s: float = 60.0,
 ) -> AgentOutcome:
     """The RUN stage of one demo rollout (module docstring). A proxy that refuses or does not
     answer is a ``failed`` outcome; the deadline a ``timeout`` (the answers so far are
-    scored)."""
+    scored). ``env_median_s`` > 0 gives each tool call an environment time (``env_seconds``:
+    long-tailed, as sandbox commands and tests are), spent waiting as a real tool would."""
+    if not (0 <= env_median_s <= 600 and 0 <= env_sigma <= 5 and 0 <= env_max_s <= 3600):
+        return AgentOutcome("failed", "error", "env_median_s, env_sigma or env_max_s out of bounds")
     t0 = time.monotonic()
     try:
         question, _ = read_answers(ctx.sandbox.copy_out(ANSWERS))
@@ -200,6 +217,10 @@ def run_agent(
                 if digit_fraction(text) == 0.0:  # asked again once from the same context
                     text, call_id = chat(client, seed * 100 + turn + 50)
                 t = time.perf_counter()
+                wait = env_seconds(
+                    ctx.endpoint.rollout_id, turn, env_median_s, env_sigma, env_max_s
+                )
+                time.sleep(max(min(wait, ctx.remaining()), 0.0))
                 tool_out = count_digits(text)
                 client.tool_call(
                     name="count_digits",

@@ -26,16 +26,19 @@ import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import httpx
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from rollstream.infra import stack
+from rollstream.infra.demo import loops
 from rollstream.infra.demo.agent import AgentResult, demo_tasks
-from rollstream.infra.demo.service import EventReader, ResultFold, demo_job, job_prefix, wait_round
+from rollstream.infra.demo.service import EventReader, ResultFold, job_prefix
 from rollstream.infra.kafka import free_port
 from rollstream.infra.logs import log_to_file
 from rollstream.infra.services import Service, Supervisor
@@ -45,6 +48,12 @@ __all__ = ["DemoSettings", "plot_rewards", "reward_table", "run"]
 
 
 class DemoSettings(stack.StackSettings):
+    """Settings of ``rollstream demo`` (ROLLSTREAM_DEMO_*); an optional one is unset with the
+    value ``none`` (ROLLSTREAM_DEMO_FLUSH_IDLE_S=none)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
+    )
     demo_steps: int = 30  # policy versions to train
     demo_max_minutes: float = 10.0  # stop the loop after this long even if steps remain
     demo_tasks: int = 4  # tasks per round (one GRPO group each)
@@ -59,20 +68,16 @@ class DemoSettings(stack.StackSettings):
     demo_plot: Path | None = None  # default <home>/demo-reward.png
     demo_seed: int = 0  # model init and task seed
     demo_sync: bool = False  # strictly alternate: each round waits for the next policy version
-
-
-def _latest_version(results: list[AgentResult]) -> int:
-    return max((max(r.policy_versions) for r in results if r.policy_versions), default=0)
-
-
-def _measured_version(results: list[AgentResult]) -> int:
-    """The newest policy some rollout ran under from its first call: the demo runs until the last
-    trained policy has rollouts of its own (a rollout that merely saw a reload mid-way counts
-    under the version it started with, as in `rewards_by_version`)."""
-    return max(
-        (min(r.policy_versions) for r in results if r.policy_versions and r.error is None),
-        default=0,
-    )
+    demo_stream: bool = False  # submit rollouts continuously instead of round by round
+    demo_controller: bool = False  # run the elastic controller (staleness-aware admission)
+    demo_env_median_s: float = Field(default=0.0, ge=0, le=600)  # tool calls' environment time
+    demo_env_sigma: float = Field(default=1.0, ge=0, le=5)  # its lognormal shape (long tail)
+    demo_env_max_s: float = Field(default=60.0, ge=0, le=3600)  # its cap
+    demo_batch_samples: int | None = Field(default=None, ge=1, le=100_000)  # samples per step
+    demo_flush_idle_s: float | None = 3.0  # the trainer trains a partial batch after this idle
+    demo_sample_mode: Literal["path", "tree"] = "path"
+    demo_drop_zero_variance: bool = True  # DAPO: groups whose rewards are all equal
+    demo_stop_at_trained: bool = False  # end once policy demo_steps is served (no last round)
 
 
 def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
@@ -123,27 +128,26 @@ def plot_rewards(results: list[AgentResult], path: Path) -> Path:
     return path
 
 
-def _wait_for_version(admin: httpx.Client, version: int, deadline: float) -> None:
-    """Until the proxy serves ``version`` (its admin status, with the admin key)."""
-    while time.monotonic() < deadline:
-        resp = admin.get("/v1/admin/status")
-        resp.raise_for_status()
-        status: dict[str, Any] = resp.json()
-        if int(status.get("policy_version", 0)) >= version:
-            return
-        time.sleep(0.2)
+def _mode(settings: DemoSettings) -> str:
+    mode = "stream" if settings.demo_stream else "sync" if settings.demo_sync else "async"
+    return f"{mode}+controller" if settings.demo_controller else mode
 
 
 def _write_summary(
-    path: Path, settings: DemoSettings, results: list[AgentResult], loop_s: float
+    path: Path,
+    settings: DemoSettings,
+    results: list[AgentResult],
+    loop_s: float,
+    version_s: dict[int, float],
 ) -> None:
     data = rewards_by_version(results)
     path.write_text(
         json.dumps(
             {
-                "mode": "sync" if settings.demo_sync else "async",
+                "mode": _mode(settings),
+                "version_s": {str(k): v for k, v in sorted(version_s.items())},
                 "namespace": settings.namespace,
-                "steps": _latest_version(results),
+                "steps": loops.latest_version(results),
                 "loop_s": round(loop_s, 2),
                 "rollouts": len(results),
                 "failed": sum(r.error is not None for r in results),
@@ -260,6 +264,8 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                     env={
                         "ROLLSTREAM_PROC_GROUP_SIZE": str(settings.demo_group_size),
                         "ROLLSTREAM_PROC_GROUP_TIMEOUT_S": "60",
+                        "ROLLSTREAM_PROC_SAMPLE_MODE": settings.demo_sample_mode,
+                        "ROLLSTREAM_PROC_DROP_ZERO_VARIANCE": str(settings.demo_drop_zero_variance),
                     },
                 )
             )
@@ -280,72 +286,94 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                         "ROLLSTREAM_TRAIN_TOKEN_BUDGET": str(settings.demo_token_budget),
                         "ROLLSTREAM_TRAIN_MAX_STALENESS": str(settings.demo_max_staleness),
                         "ROLLSTREAM_TRAIN_MAX_STEPS": str(settings.demo_steps),
-                        "ROLLSTREAM_TRAIN_FLUSH_IDLE_S": "3",
+                        "ROLLSTREAM_TRAIN_FLUSH_IDLE_S": str(settings.demo_flush_idle_s).lower(),
+                        "ROLLSTREAM_TRAIN_BATCH_SAMPLES": str(settings.demo_batch_samples).lower(),
                         "ROLLSTREAM_TRAIN_TORCH_THREADS": "1",
                     },
                 )
             )
+            if settings.demo_controller:
+                sup.start(
+                    Service(
+                        "controller",
+                        ["controller"],
+                        env={
+                            "ROLLSTREAM_CONTROL_MAX_STALENESS": str(settings.demo_max_staleness),
+                            "ROLLSTREAM_CONTROL_PERIOD_S": "1",
+                            "ROLLSTREAM_CONTROL_PROXY_URL": proxy_url,
+                            "ROLLSTREAM_CONTROL_PROXY_ADMIN_KEY": admin_key,
+                            "ROLLSTREAM_CONTROL_SAMPLES_PER_STEP": str(
+                                settings.demo_batch_samples
+                                or settings.demo_tasks * settings.demo_group_size
+                            ),
+                        },
+                    )
+                )
         console.print(f"services up ({time.monotonic() - t0:.0f}s); logs in {sup.log_dir}")
 
         admin = httpx.Client(
             base_url=proxy_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30
         )
         reader = EventReader(settings)  # from the events topic's end, before the first job
-        fold = ResultFold()
-        prefix = job_prefix(namespace)
         tasks = demo_tasks(settings.demo_tasks, settings.demo_seed)
         per_round = len(tasks) * settings.demo_group_size
-        deadline = t0 + settings.demo_max_minutes * 60
+        prefix = job_prefix(namespace)
         loop_t0 = time.monotonic()
-        round_no = 0
+        env = {
+            "env_median_s": settings.demo_env_median_s,
+            "env_sigma": settings.demo_env_sigma,
+            "env_max_s": settings.demo_env_max_s,
+        }
         try:
             with Live(reward_table(results), console=console, refresh_per_second=2) as live:
-                while (
-                    time.monotonic() < deadline and _measured_version(results) < settings.demo_steps
-                ):
-                    sup.check()
-                    job = demo_job(
+
+                def progress(now: list[AgentResult], rounds_submitted: int) -> None:
+                    failed = sum(r.error is not None for r in now)
+                    live.update(
+                        reward_table(
+                            now,
+                            title=f"reward per policy version — round {rounds_submitted}, "
+                            f"{len(now)} rollouts ({failed} failed), "
+                            f"{time.monotonic() - t0:.0f}s",
+                        )
+                    )
+
+                feed = loops.Feed(
+                    reader=reader,
+                    fold=ResultFold(),
+                    clock=loops.VersionClock(admin, loop_t0),
+                    prefix=prefix,
+                    tasks=tasks,
+                    make_job=loops.job_maker(
                         prefix,
-                        round_no,
                         tasks,
                         group_size=settings.demo_group_size,
                         turns=settings.demo_turns,
                         max_tokens=settings.demo_max_tokens,
                         run_id=run_id,
+                        env=env,
+                        one_task=settings.demo_stream,
+                    ),
+                    submit=lambda job: submit_job(settings, job),
+                    steps=settings.demo_steps,
+                    deadline=t0 + settings.demo_max_minutes * 60,
+                    check=sup.check,
+                    progress=progress,
+                )
+                if settings.demo_stream:
+                    results = loops.stream(feed, settings.demo_group_size, settings.demo_workers)
+                else:
+                    results = loops.rounds(
+                        feed, per_round, settings.demo_sync, settings.demo_stop_at_trained
                     )
-                    submit_job(settings, job)
-                    # a rollout not finished by then is counted failed; the demo overruns
-                    # demo_max_minutes by 30 s at most
-                    limits = job.timeouts
-                    round_s = limits.init + limits.run + limits.eval + 30.0
-                    round_end = min(time.monotonic() + round_s, deadline + 30.0)
-                    round_results = wait_round(
-                        reader,
-                        fold,
-                        f"{job.id}-",
-                        per_round,
-                        round_end,
-                        sup.check,
-                    )
-                    results.extend(round_results)
-                    round_no += 1
-                    if settings.demo_sync and _latest_version(results) < settings.demo_steps:
-                        # strictly alternating: wait for the policy these rollouts will train
-                        _wait_for_version(admin, _latest_version(round_results) + 1, deadline)
-                    failed = sum(r.error is not None for r in results)
-                    live.update(
-                        reward_table(
-                            results,
-                            title=f"reward per policy version — round {round_no}, "
-                            f"{len(results)} rollouts ({failed} failed), "
-                            f"{time.monotonic() - t0:.0f}s",
-                        )
-                    )
+                progress(results, 0)
         finally:
             reader.close()
             admin.close()
         loop_s = time.monotonic() - loop_t0
-        _write_summary(home / namespace / "demo-summary.json", settings, results, loop_s)
+        _write_summary(
+            home / namespace / "demo-summary.json", settings, results, loop_s, feed.clock.seen
+        )
         if settings.demo_sink:
             _show_sink_report(settings, f"http://127.0.0.1:{analytics_port}", console)
     finally:
@@ -364,4 +392,5 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
         f"running (`rollstream down` stops it); explore: `rollstream tail events "
         f"--namespace {namespace} --from-beginning`"
     )
-    return 0 if results and len(data) > 1 else 1
+    trained = max(feed.clock.seen, default=0) >= settings.demo_steps
+    return 0 if results and (len(data) > 1 or trained) else 1

@@ -68,14 +68,18 @@ def demo_job(
     turns: int,
     max_tokens: int,
     run_id: str,
+    env: dict[str, float] | None = None,
 ) -> JobSpec:
-    """The job of one round (module docstring)."""
+    """The job of one round (module docstring); ``env``: the agent's environment-time options
+    (``env_median_s``, ``env_sigma``, ``env_max_s``: agent.env_seconds)."""
     return JobSpec(
         job_id=f"{prefix}-r{round_no}",
         tasks=TaskSource(inline=[to_task(t) for t in tasks]),
         samples_per_task=group_size,
         agent=PythonAgentSpec(
-            kind="python", function=AGENT, options={"turns": turns, "max_tokens": max_tokens}
+            kind="python",
+            function=AGENT,
+            options={"turns": turns, "max_tokens": max_tokens, **(env or {})},
         ),
         # local: the sandbox only holds the answers file of the demo's own, trusted agent; no
         # model-written code ever runs in it

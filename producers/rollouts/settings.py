@@ -22,6 +22,8 @@ class RolloutSettings(CommonSettings):
     rollouts_worker_id: str = ""  # labels this worker's sandboxes; unset: host-pid
     rollouts_stages: str = "all"  # stages a `rollstream workers` process serves: init|run|eval|all
     rollouts_sweep_s: float = Field(default=30.0, ge=0.5, le=3600)  # claims of dead workers
+    rollouts_report_s: float = Field(default=2.0, ge=0.2, le=60)  # load reports (control.workers)
+    rollouts_follow_controller: bool = True  # RUN limit from the controller's newest decision
 
     def sandbox_root(self) -> Path:
         return self.rollouts_sandbox_root or self.home / "sandboxes"

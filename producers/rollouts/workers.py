@@ -45,6 +45,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from rollstream.producers.errors import RolloutCallError, RolloutExists, SandboxError
 from rollstream.producers.rollouts.agents import AgentOutcome, RolloutEndpoint, build_agent
+from rollstream.producers.rollouts.capacity import (
+    Capacity,
+    DecisionWatcher,
+    Reporter,
+    StageLoadMeter,
+)
 from rollstream.producers.rollouts.claims import ClaimFile, ClaimStore, holder_id
 from rollstream.producers.rollouts.evaluators import build_evaluator
 from rollstream.producers.rollouts.local_jobs import provider_for
@@ -69,6 +75,7 @@ from rollstream.producers.rollouts.stages import (
     next_stage,
     retry,
 )
+from rollstream.schemas.control import StageLoad
 from rollstream.schemas.dlq import CODE_INVALID, CODE_UNDECODABLE, dlq_headers
 
 __all__ = ["Service", "StageWorker", "run_workers", "stages_of"]
@@ -118,6 +125,7 @@ class Service:
             {**settings.kafka_config(), "acks": "all", "enable.idempotence": True, "linger.ms": 5}
         )
         self.cancelled: set[str] = set()
+        self.capacity = Capacity(self.worker_id, settings.rollouts_follow_controller)
         self._providers: dict[str, SandboxProvider] = {}
         self._running: set[tuple[str, str]] = set()  # (rollout id, stage) running here
         self._lock = threading.Lock()
@@ -444,6 +452,7 @@ class StageWorker(threading.Thread):
     def __init__(self, service: Service, stage: StageName, concurrency: int) -> None:
         super().__init__(name=f"rollouts-{stage}", daemon=True)
         self.service, self.stage, self.concurrency = service, stage, concurrency
+        self.meter = StageLoadMeter(concurrency)
         self.topic = service.topics.task(stage)
         self.book = OffsetBook()
         self.finished: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -464,6 +473,17 @@ class StageWorker(threading.Thread):
             }
         )
 
+    def limit(self) -> int:
+        """How many messages this worker may hold now: its concurrency; for RUN, no more than
+        it holds once the controller's budget for it is spent (capacity.py)."""
+        held = self.book.count()
+        if self.stage == "run" and not self.service.capacity.may_start(self.meter.started):
+            return min(held, self.concurrency)
+        return self.concurrency
+
+    def load(self) -> StageLoad:
+        return self.meter.load(self.book.count(), self.limit())
+
     def run(self) -> None:
         try:
             self._loop()
@@ -479,7 +499,7 @@ class StageWorker(threading.Thread):
         try:
             while not stop.is_set():
                 self._commit_finished()
-                full = self.book.count() >= self.concurrency
+                full = self.book.count() >= self.limit()
                 if full != self.paused:
                     self._pause(full)
                 if full:  # wake as soon as a message's work ends, not at the next poll's end
@@ -494,8 +514,12 @@ class StageWorker(threading.Thread):
                         log.warning("%s: %s", self.topic, error)
                     continue
                 partition, offset = raw.partition() or 0, raw.offset() or 0
+                if self.book.count() >= self.limit():  # fetched before the pause took hold:
+                    # leave it for later (the resume seeks to the position, this offset)
+                    self.consumer.seek(TopicPartition(self.topic, partition, offset))
+                    continue
                 self.book.take(partition, offset)
-                pool.submit(self._work, raw, partition, offset)
+                pool.submit(self._work, raw, partition, offset, self.meter.begin())
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(KafkaException, RuntimeError):
@@ -516,7 +540,13 @@ class StageWorker(threading.Thread):
                     self.consumer.seek(tp)
         self.paused = pause
 
-    def _work(self, raw: Message, partition: int, offset: int) -> None:
+    def _work(self, raw: Message, partition: int, offset: int, began: float) -> None:
+        try:
+            self._do(raw, partition, offset)
+        finally:
+            self.meter.end(began)
+
+    def _do(self, raw: Message, partition: int, offset: int) -> None:
         service = self.service
         try:
             msg = StageMessage.decode(raw.value() or b"")
@@ -635,8 +665,21 @@ def run_workers(
         watcher = _JobWatcher(service)
         watcher.start()
         workers = [StageWorker(service, s, settings.rollouts_concurrency) for s in stages]
+        if "run" in stages and settings.rollouts_follow_controller:
+            run_worker = next(w for w in workers if w.stage == "run")
+            decisions = DecisionWatcher(settings, service.capacity, stop, run_worker.wake.set)
+            decisions.prime()
+            decisions.start()
         for w in workers:
             w.start()
+        reporter = Reporter(
+            settings,
+            service.worker_id,
+            service.producer,
+            lambda: {w.stage: w.load() for w in workers},
+            stop,
+        )
+        reporter.start()
         log.info(
             "workers for %s up (%d at once each)", ",".join(stages), settings.rollouts_concurrency
         )
@@ -646,6 +689,7 @@ def run_workers(
             _sweep(service)
         for w in workers:
             w.join(timeout=30)
+        reporter.join(timeout=5)
         return 1 if any(w.error for w in workers) else 0
     finally:
         stop.set()
