@@ -17,6 +17,7 @@ What is measured and how (``SignalBook``):
                          the processors yet: RUN started - trajectories produced; never less
                          than what the RUN and EVAL workers hold now (I). A rollout of a group
                          DAPO drops counts until its trajectory is out, then never again.
+    rollouts_running     what the live RUN workers hold now (R <= I)
     rollouts_queued      the RUN group's lag minus what RUN workers hold
     run_slots_max        the live RUN workers' summed concurrency
     rollout_time_s       mean RUN stage time of the rollouts done since the controller started
@@ -170,6 +171,7 @@ class SignalBook:
             samples_per_step=max(per_step, 1.0),
             samples_per_rollout=max(per_rollout, 1e-3),
             rollouts_in_flight=in_flight,
+            rollouts_running=min(held_run, in_flight),
             rollouts_queued=max(self.run_lag - held_run, 0),
             run_slots_max=slots_max,
             inference_share=inference_share,
