@@ -296,6 +296,16 @@ def cmd_controller(args: argparse.Namespace, settings: Any) -> int:
     return run(settings)
 
 
+def cmd_batch(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.streams.batch_job import run
+
+    if not settings.batch_source or settings.batch_source == settings.namespace:
+        _say("error: batch: --from names the source namespace, and it is not the target")
+        return 2
+    _print_json(run(settings))
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace, settings: Any) -> int:
     from pydantic import ValidationError
 
@@ -590,6 +600,23 @@ _COMMANDS = (
         ),
         cmd_workers,
         service=True,
+    ),
+    Command(
+        "batch",
+        "process a finished run's events as a batch job (the processors' logic, no faust) "
+        "into the --namespace's trajectories and samples",
+        "rollstream.streams.batch_job:BatchSettings",
+        "streams",
+        (
+            flag(
+                "--from",
+                help="the namespace whose rollout.events are read",
+                setting="batch_source",
+                required=True,
+                metavar="NS",
+            ),
+        ),
+        cmd_batch,
     ),
     Command(
         "simulate",

@@ -1,0 +1,246 @@
+"""The batch job (I/O shell of streams/batch.py): a namespace's raw events from Kafka through the
+batch path, its trajectories, samples and dead letters into another namespace's topics.
+
+    run_batch(source, target) -> dict     one pass; counts and timings
+    BatchSettings / run(settings)         the same from one settings object (for a CLI command)
+
+Reads ``<source ns>.rollout.events``, every partition from its low watermark to the high
+watermark seen at the start (records written later are not read), each partition in offset
+order. Writes ``<target ns>.trajectories`` (each on its group's partition, as the builder does),
+``<target ns>.samples`` and ``<target ns>.rollout.events.dlq`` (keyed as the faust processor
+keys them, placed by Kafka's default partitioner: murmur2) with an idempotent producer,
+acks=all; the job returns once every record is acknowledged. The target's settings decide the
+processing (``builder_config()``, ``group_config()``), as they would for ``rollstream process``
+there; the route of a group is that of the target's trajectories topic. Running it again
+writes the same records again (same ids: consumers deduplicate).
+
+    ProcessorError                   root of the processor shell (streams/errors.py)
+    ├── TopicMissingError            the source events topic does not exist
+    └── BatchJobError                bad settings, or records not delivered
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from rollstream.adapters.codecs import build_codec
+from rollstream.adapters.topics import admin_client, ensure_topics, watermarks
+from rollstream.schemas import CommonSettings
+
+from .app import group_route
+from .batch import BatchConfig, BatchProcessor, SourceRecord
+from .books import Out, Sink
+from .errors import ProcessorError, TopicMissingError
+from .settings import ProcessorSettings
+
+__all__ = ["BatchJobError", "BatchSettings", "run", "run_batch"]
+
+_POLL = 10_000  # records taken from the client's queue at a time
+
+
+class BatchJobError(ProcessorError):
+    """The batch job cannot run (bad settings) or records were not delivered."""
+
+
+class BatchSettings(ProcessorSettings):
+    """The batch job's settings: ``namespace`` (and every ROLLSTREAM_PROC_* setting) is the
+    target, ``batch_source`` the namespace whose events are read."""
+
+    batch_source: str = ""  # the namespace whose rollout.events are read (required)
+    batch_linger_ms: float = 20.0  # producer linger.ms
+    batch_timeout_s: float = 120.0  # the longest wait for metadata and the final flush
+
+
+def run(settings: BatchSettings) -> dict[str, Any]:
+    """The batch job from ``settings`` (see ``run_batch``)."""
+    source = settings.model_copy(update={"namespace": settings.batch_source})
+    return run_batch(
+        source, settings, linger_ms=settings.batch_linger_ms, timeout_s=settings.batch_timeout_s
+    )
+
+
+class _Output:
+    """The target's topics behind one idempotent producer."""
+
+    def __init__(self, target: ProcessorSettings, linger_ms: float) -> None:
+        topics = target.topics()
+        self.topics = {
+            Sink.TRAJECTORIES: topics.trajectories,
+            Sink.SAMPLES: topics.samples,
+            Sink.DLQ: topics.dlq,
+        }
+        self.errors: list[str] = []
+        self.sent = {sink: 0 for sink in Sink}
+        self.producer = Producer(
+            {
+                **target.kafka_config(),
+                "enable.idempotence": True,
+                "acks": "all",
+                "partitioner": "murmur2_random",  # Kafka's default partitioner, as faust's
+                "linger.ms": linger_ms,
+                "batch.size": 4_000_000,
+                "queue.buffering.max.messages": 1_000_000,
+                "queue.buffering.max.kbytes": 1_048_576,
+                "message.max.bytes": target.proc_max_message_bytes,
+                "delivery.report.only.error": True,
+                "on_delivery": self._delivered,
+            }
+        )
+
+    def _delivered(self, err: KafkaError | None, _msg: Any) -> None:
+        if err is not None:
+            self.errors.append(str(err))
+
+    def send(self, outs: list[Out]) -> None:
+        produce = self.producer.produce
+        for out in outs:
+            topic = self.topics[out.sink]
+            extra: dict[str, Any] = {} if out.partition is None else {"partition": out.partition}
+            while True:
+                try:
+                    produce(topic, out.value, out.key, headers=list(out.headers), **extra)
+                    break
+                except BufferError:
+                    self.producer.poll(0.05)
+            self.sent[out.sink] += 1
+        self.producer.poll(0)
+
+    def finish(self, timeout_s: float) -> None:
+        left = self.producer.flush(timeout_s)
+        if left or self.errors:
+            raise BatchJobError(f"{left} records not delivered; errors: {self.errors[:3]}")
+
+
+def _partitions(client: Any, topic: str, timeout_s: float) -> list[int]:
+    """The partitions of ``topic`` (a consumer's or an admin client's metadata)."""
+    md = client.list_topics(topic, timeout=timeout_s)
+    found = md.topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        raise TopicMissingError(f"topic {topic} does not exist")
+    return sorted(found.partitions)
+
+
+def run_batch(
+    source: CommonSettings,
+    target: ProcessorSettings,
+    *,
+    linger_ms: float = 20.0,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Read ``source``'s events to the end seen now, process them as one finished run with
+    ``target``'s processor settings, write the outputs to ``target``'s topics. Returns counts
+    (the batch path's, and records written per topic) and timings."""
+    target_ns = target.namespace.strip(".")
+    if not target_ns or target_ns == source.namespace.strip("."):
+        raise BatchJobError("the target namespace must be set and differ from the source")
+    started, cpu0 = time.monotonic(), time.process_time()
+    ensure_topics(target)
+    source_topic = source.topics().events
+    consumer = Consumer(
+        {
+            **source.kafka_config(),
+            "group.id": f"{source.topics().name('rollstream-batch')}-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": 64 << 20,
+            "max.partition.fetch.bytes": 16 << 20,
+        }
+    )
+    output = _Output(target, linger_ms)
+    try:
+        n_groups = len(_partitions(admin_client(target), target.topics().trajectories, timeout_s))
+        ranges = {
+            p: watermarks(consumer, TopicPartition(source_topic, p), timeout_s)
+            for p in _partitions(consumer, source_topic, timeout_s)
+        }
+        ends = {p: hi for p, (lo, hi) in ranges.items() if hi > lo}
+        config = BatchConfig.from_settings(
+            target, route=group_route(n_groups), events_topic=source_topic
+        )
+        processor = BatchProcessor(config, build_codec(target), partitions=ends)
+        consumer.assign([TopicPartition(source_topic, p, ranges[p][0]) for p in ends])
+        read_started = time.monotonic()
+        _read(consumer, source_topic, ends, processor, output)
+        output.send(processor.finish())
+        flush_started = time.monotonic()
+        output.finish(timeout_s)
+    finally:
+        consumer.close()
+    done = time.monotonic()
+    elapsed = done - started
+    events = processor.records
+    return {
+        "source_topic": source_topic,
+        "target_namespace": target.namespace,
+        "partitions": {p: list(r) for p, r in ranges.items()},
+        "events": events,
+        "written": {str(sink): n for sink, n in output.sent.items()},
+        "counts": processor.counts(),
+        "setup_s": round(read_started - started, 3),
+        "read_and_process_s": round(flush_started - read_started, 3),
+        "flush_s": round(done - flush_started, 3),
+        "elapsed_s": round(elapsed, 3),
+        "cpu_s": round(time.process_time() - cpu0, 3),
+        "events_per_s": round(events / elapsed) if elapsed else 0,
+    }
+
+
+def _read(
+    consumer: Consumer,
+    topic: str,
+    ends: dict[int, int],
+    processor: BatchProcessor,
+    output: _Output,
+) -> None:
+    """Feed every record up to ``ends`` to the processor, producing its outputs as they come."""
+    pending = dict(ends)
+    feed, send = processor.feed, output.send
+    while pending:
+        msgs = _poll(consumer)
+        if not msgs:
+            _ended(consumer, topic, pending, processor, output)
+            continue
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.fatal():
+                    raise BatchJobError(f"consumer error: {err}")
+                continue
+            p, offset = msg.partition(), msg.offset()
+            end = pending.get(p) if p is not None else None
+            if p is None or offset is None or end is None or offset >= end:
+                continue
+            outs = feed(SourceRecord(p, offset, msg.key(), msg.value()))
+            if outs:
+                send(outs)
+            if offset >= end - 1:
+                del pending[p]
+                send(processor.end_partition(p))
+
+
+def _ended(
+    consumer: Consumer,
+    topic: str,
+    pending: dict[int, int],
+    processor: BatchProcessor,
+    output: _Output,
+) -> None:
+    """Partitions whose position reached their end (the last offsets may be no records)."""
+    for tp in consumer.position([TopicPartition(topic, p) for p in pending]):
+        if tp.offset >= 0 and tp.offset >= pending.get(tp.partition, 1 << 62):
+            del pending[tp.partition]
+            output.send(processor.end_partition(tp.partition))
+
+
+def _poll(consumer: Consumer, timeout: float = 0.5) -> list[Any]:
+    """What the client has queued, at once; else wait for one record (``consume(n, t)`` waits
+    the whole timeout whenever fewer than n are queued)."""
+    msgs = consumer.consume(_POLL, 0)
+    if msgs:
+        return msgs
+    first = consumer.poll(timeout)
+    return [] if first is None else [first, *consumer.consume(_POLL - 1, 0)]
