@@ -34,6 +34,7 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
     ),
     ("recording proxy (`proxy`)", "rollstream.producers.proxy.settings", "ProxySettings"),
     ("stream processors (`process`)", "rollstream.streams.settings", "ProcessorSettings"),
+    ("batch path (`batch`)", "rollstream.streams.batch_job", "BatchSettings"),
     ("trainer (`train`)", "rollstream.consumers.training.settings", "TrainerSettings"),
     (
         "ClickHouse sink + analytics server (`sink`)",

@@ -258,7 +258,13 @@ class Trainer:
         duplicate = sample is not None and (
             sample.sample_id in self.pending_ids or sample.sample_id in self.trained_ids
         )
-        if sample is not None and not duplicate:  # a duplicate takes no token budget
+        # a sample already too stale for the step it would join takes no room in the batch
+        # either (the step's version cannot change before that batch closes), so a step trains
+        # its full count of fresh samples; _close_batch counts it as stale
+        stale = sample is not None and (
+            self.step - sample.policy_version > self.settings.train_max_staleness
+        )
+        if sample is not None and not duplicate and not stale:  # neither takes token budget
             closed = self.batcher.add(sample)
             if closed is not None and closed[-1] is sample:  # the count cap: this one completes
                 self.pending_ids.add(sample.sample_id)  # the batch, every record up to it

@@ -232,6 +232,28 @@ def test_sigkill_between_and_mid_step_trains_each_sample_exactly_once(
     apply_state_dict(model, load_state_dict(last.checkpoint_uri))  # what the server reloads
 
 
+def test_a_stale_sample_takes_no_room_in_the_batch(
+    kafka_settings: CommonSettings, model_path: Path, tmp_path: Path
+) -> None:
+    # 4 fresh samples make step 1; then 2 of version 0 (stale at version 1) and 4 of version 1:
+    # step 2 trains the 4 fresh ones, the stale pair is dropped, not a quarter of the batch each
+    records = [(0, codec.encode(make_sample(i, version=0))) for i in range(6)]
+    records += [(0, codec.encode(make_sample(i, version=1))) for i in range(6, 10)]
+    coords = produce(kafka_settings, records)
+    env = trainer_env(
+        kafka_settings,
+        model_path,
+        tmp_path / "ckpt",
+        train_max_staleness=0,
+        train_batch_samples=4,
+        train_token_budget=4096,
+    )
+    result = run(settings_from(env))
+    assert (result.step, result.samples_trained, result.stale_dropped) == (2, 8, 2)
+    manifests = dict(CheckpointStore(tmp_path / "ckpt").manifests())
+    assert sorted(manifests[2].trained) == coords[6:] and sorted(manifests[2].stale) == coords[4:6]
+
+
 def test_staleness_filter_drops_counts_and_dead_letters(
     kafka_settings: CommonSettings, model_path: Path, tmp_path: Path
 ) -> None:
