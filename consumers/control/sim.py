@@ -13,14 +13,15 @@ at cluster scale and to compare it with the published asynchronous RL systems.
 The model (sim_engine.py: the clock, the fluid inference pool, rollouts; sim_policies.py: the
 systems; sim_workloads.py: the workloads) is described in docs/simulator.md. A run ends when
 the trainer has finished ``steps`` steps (``workload.steps`` by default); its wall time is the
-time of that moment. ``step_s`` is the steady time per step: from the end of step
-``steps // 4`` (the pipeline has filled) to the end, per step; speedups compare it, as the
-published figures come from runs of hundreds of steps, where filling the pipeline is
-negligible. Utilisation is busy accelerator-seconds over N x wall: ``util_rollout``
-while a sequence decodes on it, ``util_train`` while it trains; switching, weight loads,
-resharding and waiting are not busy. Staleness is counted per trained sample: the trainer's
-version at the step that trained it minus the version of the weights its rollout started
-with. Waste is the rollouts generated and then dropped for being staler than
+time of that moment, ``step_ends`` the time each step ended (the time to version k, the
+pipeline's filling included, is ``step_ends[k - 1]``). ``step_s`` is the steady time per
+step: from the end of step ``steps // 4`` (the pipeline has filled) to the end, per step;
+speedups compare it, as the published figures come from runs of hundreds of steps, where
+filling the pipeline is negligible. Utilisation is busy accelerator-seconds over N x wall:
+``util_rollout`` while a sequence decodes on it, ``util_train`` while it trains; switching,
+weight loads, resharding and waiting are not busy. Staleness is counted per trained sample:
+the trainer's version at the step that trained it minus the version of the weights its
+rollout started with. Waste is the rollouts generated and then dropped for being staler than
 ``max_staleness``. Conservation: rollouts started = trained + wasted + waiting (complete, not
 trained when the run ended) + in flight.
 
@@ -91,6 +92,7 @@ class SimResult:
     mean_inference_share: float
     reasons: dict[str, int]  # rollstream: decisions by reason
     events: int
+    step_ends: tuple[float, ...] = ()  # when each trainer step ended
 
     @property
     def util(self) -> float:
@@ -186,6 +188,7 @@ def simulate(
         mean_inference_share=engine.share_area / wall if wall > 0 else 0.0,
         reasons=dict(reasons),
         events=engine.events,
+        step_ends=tuple(engine.step_ends),
     )
 
 

@@ -336,6 +336,13 @@ class Engine:
         if turns:
             self.pool.submit(rollout, turns[0][0])
             return
+        overhead = self.workload.rollout_overhead_s
+        if overhead > 0:
+            self.after(overhead, self._finish, rollout)
+        else:
+            self._finish(rollout)
+
+    def _finish(self, rollout: int) -> None:
         self.rollouts_finished += 1
         self.rollout_time_sum += self.now - self.r_start[rollout]
         group = self.r_group[rollout]

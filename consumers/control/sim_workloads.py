@@ -17,7 +17,9 @@ lone sequence is latency-bound (peak / half_batch), a full batch throughput-boun
 A rollout is ``turns`` turns of (generate tokens, then environment time: tool calls, sandbox,
 reward). Tokens per turn are lognormal (median, sigma), cut at ``tokens_max`` (the response
 length limit); environment times are lognormal with a Pareto tail (probability
-``env_tail_p``), cut at ``env_max_s`` (a timeout). Rollouts come in GRPO groups of
+``env_tail_p``), cut at ``env_max_s`` (a timeout). After its last turn a rollout takes
+``rollout_overhead_s`` more (stage hand-offs, sandbox, evaluation, event posts; 0: none)
+before it counts as finished; it holds its slot meanwhile. Rollouts come in GRPO groups of
 ``group_size``; a group's samples are usable when its last rollout ends. A trainer step takes
 ``groups_per_step`` groups and lasts ``train_fixed_s + train_step_s * (N / n) **
 train_scaling`` on n of the N accelerators.
@@ -75,6 +77,7 @@ class Workload:
     env_tail_scale_s: Seconds = 0.0
     env_tail_alpha: Annotated[float, Field(gt=0.5, le=10, allow_inf_nan=False)] = 1.5
     env_max_s: Seconds = 3600.0
+    rollout_overhead_s: Seconds = 0.0  # per rollout, after its last turn
     # training
     train_step_s: Positive = 60.0  # one step on all N accelerators
     train_fixed_s: Seconds = 0.0

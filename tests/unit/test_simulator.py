@@ -138,3 +138,33 @@ def test_the_cli_table_and_its_refusals(tmp_path: Path) -> None:
         SimulateSettings(policies=["sync", "magic"])
     with pytest.raises(ValidationError):
         SimulateSettings(seeds=0)
+
+
+MEASURED = Path(__file__).resolve().parents[2] / "bench" / "this_machine.json"
+
+
+def test_the_measured_workload_of_this_machine_loads_and_runs_the_benchmarks_setting() -> None:
+    w = workload_from_json(json.loads(MEASURED.read_text()))
+    # bench/bench_async_rl.py's setting: 4 tasks x 8 rollouts, 2 turns, env lognormal(1 s, 1)
+    assert (w.groups_per_step, w.group_size, w.samples_per_step) == (4, 8, 32)
+    assert (w.turns_min, w.turns_max) == (2, 2)
+    assert (w.env_median_s, w.env_sigma, w.env_max_s, w.env_tail_p) == (1.0, 1.0, 20.0, 0.0)
+    assert w.rollout_overhead_s > 0 and w.rollout_slots >= w.samples_per_step
+    r = simulate(w, "rollstream", seed=0)
+    assert r.steps == w.steps and max(r.staleness) <= w.max_staleness
+
+
+def test_step_ends_give_the_time_to_each_version() -> None:
+    r = simulate(SMALL, "fully_async", seed=0, steps=5)
+    assert len(r.step_ends) == 5 and r.step_ends[-1] == r.wall_s
+    assert list(r.step_ends) == sorted(r.step_ends) and r.step_ends[0] > 0
+
+
+def test_rollout_overhead_lengthens_each_sync_round_by_itself() -> None:
+    # sync with a slot per rollout: every rollout of a round starts at once and the round
+    # waits for the last, so a fixed overhead after each one's last turn adds itself per step
+    roomy = SMALL.replace(rollout_slots=SMALL.samples_per_step)
+    plain = simulate(roomy, "sync", seed=4, steps=3)
+    slow = simulate(roomy.replace(rollout_overhead_s=1.5), "sync", seed=4, steps=3)
+    assert slow.wall_s == pytest.approx(plain.wall_s + 3 * 1.5)
+    assert slow.samples_trained == plain.samples_trained
