@@ -17,7 +17,17 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartiti
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.schemas import Codec, CommonSettings, DecodeError, Event
-from rollstream.schemas.topics import DLQ, EVENTS, POLICY, SAMPLES, TRAJECTORIES
+from rollstream.schemas.control import decode_decision, decode_report
+from rollstream.schemas.errors import SchemaError
+from rollstream.schemas.topics import (
+    CONTROL_DECISIONS,
+    CONTROL_WORKERS,
+    DLQ,
+    EVENTS,
+    POLICY,
+    SAMPLES,
+    TRAJECTORIES,
+)
 
 __all__ = ["TailOptions", "format_record", "records", "resolve_topic", "run"]
 
@@ -28,6 +38,10 @@ _ALIASES = {
     "samples": SAMPLES,
     "policy": POLICY,
     "policy.versions": POLICY,
+    "decisions": CONTROL_DECISIONS,
+    "workers": CONTROL_WORKERS,
+    CONTROL_DECISIONS: CONTROL_DECISIONS,
+    CONTROL_WORKERS: CONTROL_WORKERS,
     EVENTS: EVENTS,
     DLQ: DLQ,
     TRAJECTORIES: TRAJECTORIES,
@@ -98,6 +112,14 @@ def decode_message(codec: Codec, msg: Any) -> dict[str, Any]:
     headers = {k: (v.decode(errors="replace") if v else None) for k, v in (msg.headers() or [])}
     if headers:
         coords["headers"] = headers
+    topic = msg.topic() or ""
+    for base, decode in ((CONTROL_DECISIONS, decode_decision), (CONTROL_WORKERS, decode_report)):
+        if topic.endswith(base):  # the control records are JSON (schemas/control.py)
+            try:
+                control = decode(msg.value() or b"")
+            except SchemaError as exc:
+                return {"_kafka": coords, "error": str(exc), "raw_hex": msg.value()[:256].hex()}
+            return {"type": type(control).__name__, **control.model_dump(), "_kafka": coords}
     try:
         record = codec.decode(msg.value())
     except DecodeError as exc:

@@ -190,6 +190,7 @@ class Reporter(threading.Thread):
             log.info("load report not sent: %s", exc)
 
     def run(self) -> None:
+        self.report()  # at once: a controller budgets only the workers it has heard from
         while not self.stop.wait(self.period):
             self.report()
         self.report(stopping=True)

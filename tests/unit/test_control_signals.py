@@ -150,3 +150,41 @@ def test_a_decision_on_the_log_carries_budgets_and_signals() -> None:
     assert record.signals["samples_per_step"] == 4.0
     unlimited = to_capacity(decision, signals, live, now=1.0, ttl_s=5.0, limited=False)
     assert not unlimited.limited and unlimited.per_worker == {}
+
+
+class _Msg:
+    """A consumed message as `rollstream tail` sees it (the I/O edge)."""
+
+    def __init__(self, topic: str, value: bytes) -> None:
+        self._topic, self._value = topic, value
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return 7
+
+    def key(self) -> bytes:
+        return b"capacity"
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> None:
+        return None
+
+
+def test_tail_shows_control_records_as_json() -> None:
+    from rollstream.infra.tail import decode_message, resolve_topic
+    from rollstream.schemas import Codec, CommonSettings
+
+    d = CapacityDecision(ts=1.0, ttl_s=5.0, run_slots=2, admit=1, reason="staleness")
+    out = decode_message(Codec(), _Msg("ns.control.decisions", d.encode()))
+    assert out["type"] == "CapacityDecision" and out["run_slots"] == 2
+    assert out["_kafka"]["offset"] == 7
+    bad = decode_message(Codec(), _Msg("ns.control.decisions", b'{"ts": -1}'))
+    assert "CapacityDecision" in bad["error"]
+    assert resolve_topic(CommonSettings(namespace="ns"), "decisions") == "ns.control.decisions"
