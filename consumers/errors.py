@@ -25,10 +25,11 @@ import InsertError`` name the same class.
     │                               letter not delivered, a failed commit (training/dataset.py)
     ├── TreeError (ValueError)      parent_indices that are not a DFS pre-order forest
     │                               (training/treepack.py)
-    ├── BatchingError (ValueError)  a sample that cannot be batched (training/batching.py)
-    └── ControlError (ValueError)   bad signals, settings or decisions of the elastic
-        │                           controller (control/errors.py; ``.field``)
-        └── WorkloadError           a simulator workload that cannot be used (control/)
+    └── BatchingError (ValueError)  a sample that cannot be batched (training/batching.py)
+
+The elastic controller's errors derive from ``ConsumerError`` too and live in its room
+(control/errors.py): ``ControlError`` (ValueError; bad signals, settings or decisions, with
+``.field``) and its ``WorkloadError`` (a simulator workload that cannot be used).
 
 Errors from outside (the Kafka client, clickhouse-connect, the HTTP client) are wrapped into one
 of these with ``raise ... from exc``. Records that cannot be stored or trained are not errors of
