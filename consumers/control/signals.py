@@ -54,23 +54,17 @@ MAX_WORKERS: Final = 4096
 class _Worker:
     report: WorkerReport
     base_started: int  # RUN started when first seen (or at its restart)
-    base_eval_done: int
     base_run_done: int
     base_run_busy: float
     run_started: int = 0  # since the controller saw it first (summed across its restarts)
-    eval_done: int = 0
     run_done: int = 0
     run_busy: float = 0.0
 
 
-def _counts(report: WorkerReport) -> tuple[int, int, int, float]:
-    run, ev = report.stages.get("run"), report.stages.get("eval")
-    return (
-        run.started if run else 0,
-        ev.done if ev else 0,
-        run.done if run else 0,
-        run.busy_s if run else 0.0,
-    )
+def _counts(report: WorkerReport) -> tuple[int, int, float]:
+    """(RUN started, RUN done, RUN seconds busy) of a report."""
+    run = report.stages.get("run")
+    return (run.started, run.done, run.busy_s) if run else (0, 0, 0.0)
 
 
 @dataclass
@@ -90,20 +84,19 @@ class SignalBook:
     # --- feeding ---
 
     def report(self, rep: WorkerReport) -> None:
-        started, eval_done, run_done, run_busy = _counts(rep)
+        started, run_done, run_busy = _counts(rep)
         w = self.workers.get(rep.worker)
         if w is None:
             if len(self.workers) >= MAX_WORKERS:  # forget the oldest report's worker
                 del self.workers[min(self.workers, key=lambda k: self.workers[k].report.ts)]
-            self.workers[rep.worker] = _Worker(rep, started, eval_done, run_done, run_busy)
+            self.workers[rep.worker] = _Worker(rep, started, run_done, run_busy)
             return
         prev = _counts(w.report)
-        if started < prev[0] or eval_done < prev[1]:  # restarted: its counters start over
+        if started < prev[0] or run_done < prev[1]:  # restarted: its counters start over
             w.run_started += prev[0] - w.base_started
-            w.eval_done += prev[1] - w.base_eval_done
-            w.run_done += prev[2] - w.base_run_done
-            w.run_busy += prev[3] - w.base_run_busy
-            w.base_started, w.base_eval_done, w.base_run_done, w.base_run_busy = 0, 0, 0, 0.0
+            w.run_done += prev[1] - w.base_run_done
+            w.run_busy += prev[2] - w.base_run_busy
+            w.base_started, w.base_run_done, w.base_run_busy = 0, 0, 0.0
         w.report = rep
 
     def version(self, record: PolicyVersion) -> None:
@@ -129,16 +122,16 @@ class SignalBook:
             if not w.report.stopping and now - w.report.ts <= 3 * w.report.period_s
         ]
 
-    def _totals(self) -> tuple[int, int, int, float]:
-        started = eval_done = run_done = 0
+    def _totals(self) -> tuple[int, int, float]:
+        """RUN started, done and seconds busy since the controller saw each worker first."""
+        started = run_done = 0
         busy = 0.0
         for w in self.workers.values():
-            s, e, r, b = _counts(w.report)
+            s, r, b = _counts(w.report)
             started += w.run_started + s - w.base_started
-            eval_done += w.eval_done + e - w.base_eval_done
             run_done += w.run_done + r - w.base_run_done
             busy += w.run_busy + b - w.base_run_busy
-        return started, eval_done, run_done, busy
+        return started, run_done, busy
 
     def signals(self, now: float, inference_share: float, period_s: float = 0.0) -> Signals:
         live = self.live(now)
@@ -147,7 +140,7 @@ class SignalBook:
         held_run = sum(s.in_flight for s in run_loads)
         held = held_run + sum(s.in_flight for s in eval_loads)
         slots_max = sum(s.concurrency for s in run_loads)
-        started, _, run_done, busy = self._totals()
+        started, run_done, busy = self._totals()
         produced = self.samples_now - (self.samples_at_start or 0)
         closed = self.closed_now - (self.closed_at_start or 0)
         per_rollout = (

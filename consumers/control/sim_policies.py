@@ -82,7 +82,20 @@ class Driver:
         return False
 
 
-class Sync(Driver):
+class _Rounds(Driver):
+    """A driver that generates in rounds: ``_to_start`` rollouts of the round are still to
+    start; ``fill`` starts them while RUN slots are free."""
+
+    _to_start: int
+
+    def fill(self) -> None:
+        slots = self.slots_max()
+        while self._to_start > 0 and self.e.running < slots:
+            self.e.start_rollout(self.version)
+            self._to_start -= 1
+
+
+class Sync(_Rounds):
     def start(self) -> None:
         self._begin()
 
@@ -90,12 +103,6 @@ class Sync(Driver):
         self._batch: list[int] = []
         self._to_start = self.per_step
         self.fill()
-
-    def fill(self) -> None:
-        slots = self.slots_max()
-        while self._to_start > 0 and self.e.running < slots:
-            self.e.start_rollout(self.version)
-            self._to_start -= 1
 
     def on_group_done(self, group: int) -> None:
         self._batch.append(group)
@@ -286,7 +293,7 @@ class FullyAsync(Driver):
         return len(self._buffer)
 
 
-class Elastic(Driver):
+class Elastic(_Rounds):
     def start(self) -> None:
         self._n_inf = min(max(round(self.w.inference_share * self.n), 1), self.n - 1)
         self._generated: list[int] = []  # the batch generated this phase
@@ -300,12 +307,6 @@ class Elastic(Driver):
         self._train_epoch = 0  # a rescheduled training end makes the older one stale
         self._to_start = self.per_step
         self.fill()
-
-    def fill(self) -> None:
-        slots = self.slots_max()
-        while self._to_start > 0 and self.e.running < slots:
-            self.e.start_rollout(self.version)
-            self._to_start -= 1
 
     def on_group_done(self, group: int) -> None:
         self._generated.append(group)

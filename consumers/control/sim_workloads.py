@@ -32,7 +32,7 @@ run takes milliseconds; docs/simulator.md lists each parameter and where it come
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Annotated, Any, Final
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
@@ -158,6 +158,43 @@ def get_workload(name: str) -> Workload:
 
 # The parameters and their sources: docs/simulator.md. "fitted": chosen so that the simulated
 # speedup of the paper's policy over sync lands on the published figure.
+_QWENGYRE_A: Final = Workload(
+    name="qwengyre_a",
+    description="xLong-horizon agent (10-30 turns of long generation and tool calls, "
+    "latency-bound decoding); elastic rollout/train split between phases, setting A",
+    accelerators=16,
+    groups_per_step=8,
+    group_size=4,
+    peak_tokens_per_s=64000.0,
+    half_batch=256.0,
+    max_seqs_per_accelerator=32,
+    turns_min=10,
+    turns_max=30,
+    tokens_median=5000.0,
+    tokens_sigma=0.6,
+    tokens_max=16384,
+    env_median_s=8.0,
+    env_sigma=0.8,
+    env_tail_p=0.03,
+    env_tail_scale_s=60.0,
+    env_tail_alpha=1.5,
+    env_max_s=900.0,
+    train_step_s=1400.0,
+    switch_s=30.0,
+    weight_sync_s=10.0,
+    reshard_s=10.0,
+    max_staleness=2,
+    inference_share=0.5,
+    control_period_s=10.0,
+    control_cooldown_s=120.0,
+    steps=16,
+    paper_policy="elastic",
+    published_speedup=1.85,
+    paper_scale=1.0,
+    source="QwenGyre (xLong-horizon agentic RL; elastic rollout/training split)",
+)
+
+
 WORKLOADS: Final[dict[str, Workload]] = {
     w.name: w
     for w in (
@@ -197,75 +234,16 @@ WORKLOADS: Final[dict[str, Workload]] = {
             paper_scale=1.0,
             source="Agent Lightning v1.0 (arXiv 2608.17528; docs/35-asynchronous-training.md)",
         ),
-        Workload(
-            name="qwengyre_a",
-            description="xLong-horizon agent (10-30 turns of long generation and tool calls, "
-            "latency-bound decoding); elastic rollout/train split between phases, setting A",
-            accelerators=16,
-            groups_per_step=8,
-            group_size=4,
-            peak_tokens_per_s=64000.0,
-            half_batch=256.0,
-            max_seqs_per_accelerator=32,
-            turns_min=10,
-            turns_max=30,
-            tokens_median=5000.0,
-            tokens_sigma=0.6,
-            tokens_max=16384,
-            env_median_s=8.0,
-            env_sigma=0.8,
-            env_tail_p=0.03,
-            env_tail_scale_s=60.0,
-            env_tail_alpha=1.5,
-            env_max_s=900.0,
-            train_step_s=1400.0,
-            switch_s=30.0,
-            weight_sync_s=10.0,
-            reshard_s=10.0,
-            max_staleness=2,
-            inference_share=0.5,
-            control_period_s=10.0,
-            control_cooldown_s=120.0,
-            steps=16,
-            paper_policy="elastic",
-            published_speedup=1.85,
-            paper_scale=1.0,
-            source="QwenGyre (xLong-horizon agentic RL; elastic rollout/training split)",
-        ),
-        Workload(
+        _QWENGYRE_A,
+        replace(
+            _QWENGYRE_A,
             name="qwengyre_b",
             description="xLong-horizon agent as qwengyre_a, setting B: longer and "
             "heavier-tailed environment phases, longer training steps",
-            accelerators=16,
-            groups_per_step=8,
-            group_size=4,
-            peak_tokens_per_s=64000.0,
-            half_batch=256.0,
-            max_seqs_per_accelerator=32,
-            turns_min=10,
-            turns_max=30,
-            tokens_median=5000.0,
-            tokens_sigma=0.6,
-            tokens_max=16384,
             env_median_s=12.0,
-            env_sigma=0.8,
             env_tail_p=0.05,
-            env_tail_scale_s=60.0,
-            env_tail_alpha=1.5,
-            env_max_s=900.0,
             train_step_s=1800.0,
-            switch_s=30.0,
-            weight_sync_s=10.0,
-            reshard_s=10.0,
-            max_staleness=2,
-            inference_share=0.5,
-            control_period_s=10.0,
-            control_cooldown_s=120.0,
-            steps=16,
-            paper_policy="elastic",
             published_speedup=1.78,
-            paper_scale=1.0,
-            source="QwenGyre (xLong-horizon agentic RL; elastic rollout/training split)",
         ),
         Workload(
             name="areal",
