@@ -42,6 +42,7 @@ __all__ = ["ControlSettings", "Controller", "run"]
 log = logging.getLogger("rollstream.consumers.control.controller")
 
 POLL_S: Final = 0.1
+CATCH_UP_S: Final = 10.0  # the longest a first decision waits for the policy topic
 TRAINER_GROUP: Final = "rollstream-trainer-v1"  # training.settings.TRAINER_GROUP (no torch here)
 
 
@@ -100,6 +101,24 @@ class Controller:
         found = self.reader.offsets_for_times([TopicPartition(reports, 0, since)], timeout=10)
         start = found[0].offset if found and found[0].offset >= 0 else high
         self.reader.assign([TopicPartition(policy, 0, 0), TopicPartition(reports, 0, start)])
+        self._policy_until = high_watermarks(self.offsets, policy)[0]
+        self._caught_up = self._policy_until == 0
+
+    def _catch_up(self) -> None:
+        """Read the policy versions published before the controller started before deciding
+        anything: a decision made without them would admit as if no trainer were waiting."""
+        if self._caught_up:
+            return
+        deadline = time.monotonic() + CATCH_UP_S
+        policy = TopicPartition(self.topics.policy, 0)
+        while time.monotonic() < deadline:
+            self._read()
+            if self.reader.position([policy])[0].offset >= self._policy_until:
+                self._caught_up = True
+                return
+        raise TopicError(
+            f"{self.topics.policy} not read up to offset {self._policy_until} in {CATCH_UP_S} s"
+        )
 
     def _read(self) -> None:
         for msg in self.reader.consume(1000, POLL_S):
@@ -142,6 +161,7 @@ class Controller:
             return None
 
     def tick(self) -> Decision:
+        self._catch_up()
         self._read()
         self._lags()
         serving = self._serving()
