@@ -18,9 +18,10 @@ $(VENV)/bin/python:
 
 # System packages the tests and the demo need, installed when missing (Debian's apt, as root):
 # Java and Maven for the Kafka broker and the test registry, bubblewrap and docker.io (+ a static
-# busybox for the locally built sandbox image) for the rollout sandboxes.
+# busybox for the locally built sandbox image) for the rollout sandboxes, chromium for the web
+# UI's browser tests.
 SYSPKGS := java:openjdk-17-jre-headless mvn:maven bwrap:bubblewrap dockerd:docker.io \
-           busybox:busybox-static
+           busybox:busybox-static chromium:chromium
 
 sysdeps:
 	@missing=""; for pair in $(SYSPKGS); do cmd=$${pair%%:*}; pkg=$${pair#*:}; \
