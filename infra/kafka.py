@@ -38,6 +38,7 @@ __all__ = [
     "KafkaBroker",
     "KafkaError",
     "free_port",
+    "new_cluster_id",
     "resolve_classpath",
 ]
 
@@ -48,6 +49,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id (16 random bytes, URL-safe base64). Kafka's own ids never start with
+    "-" (its argparse would read one as an option): neither do ours."""
+    cluster_id = "-"
+    while cluster_id.startswith("-"):
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    return cluster_id
 
 
 def _cache_dir() -> Path:
@@ -96,6 +106,12 @@ class BrokerConfig:
     heap: str = "768m"
     java: str = "java"
     node_id: int = 1
+    # A cluster (infra/cluster.py): every node's "id@host:controller_port", one cluster id for
+    # all, the replication of the internal topics and min.insync.replicas. Alone: itself, 1, 1.
+    voters: str | None = None
+    cluster_id: str | None = None
+    replication: int = 1
+    min_insync: int = 1
     # Local-run tuning (NOTES.md): no initial rebalance delay, quick group joins.
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -194,10 +210,11 @@ class KafkaBroker:
     # --- lifecycle --------------------------------------------------------------------------
     def _properties(self) -> str:
         c = self.config
+        replication, min_isr = str(c.replication), str(c.min_insync)
         props = {
             "process.roles": "broker,controller",
             "node.id": str(c.node_id),
-            "controller.quorum.voters": f"{c.node_id}@{c.host}:{c.controller_port}",
+            "controller.quorum.voters": c.voters or f"{c.node_id}@{c.host}:{c.controller_port}",
             "listeners": f"PLAINTEXT://{c.host}:{c.port},CONTROLLER://{c.host}:{c.controller_port}",
             "advertised.listeners": f"PLAINTEXT://{c.host}:{c.port}",
             "controller.listener.names": "CONTROLLER",
@@ -206,12 +223,14 @@ class KafkaBroker:
             "log.dirs": str(self.log_dir),
             "num.partitions": "1",
             "auto.create.topics.enable": "false",
-            "offsets.topic.replication.factor": "1",
+            "default.replication.factor": replication,
+            "min.insync.replicas": min_isr,
+            "offsets.topic.replication.factor": replication,
             "offsets.topic.num.partitions": "10",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "transaction.state.log.replication.factor": replication,
+            "transaction.state.log.min.isr": min_isr,
+            "share.coordinator.state.topic.replication.factor": replication,
+            "share.coordinator.state.topic.min.isr": min_isr,
             "group.initial.rebalance.delay.ms": "0",
             "message.max.bytes": "16777216",
             "replica.fetch.max.bytes": "16777216",
@@ -244,10 +263,7 @@ class KafkaBroker:
     def _format_if_needed(self) -> None:
         if (self.log_dir / "meta.properties").exists():
             return
-        # Kafka's own ids never start with "-" (argparse would read it as an option): same here
-        cluster_id = "-"
-        while cluster_id.startswith("-"):
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = self.config.cluster_id or new_cluster_id()
         cmd = self._java_cmd(
             "kafka.tools.StorageTool",
             "format",
@@ -259,10 +275,12 @@ class KafkaBroker:
         if proc.returncode != 0:
             raise BrokerStartError(f"storage format failed:\n{proc.stdout}\n{proc.stderr}")
 
-    def start(self, timeout: float = 90.0) -> KafkaBroker:
-        """Start the broker (formatting storage on first start) and wait until it answers."""
+    def start(self, timeout: float = 90.0, *, wait: bool = True) -> KafkaBroker:
+        """Start the broker (formatting storage on first start) and wait until it answers
+        (``wait=False``: a cluster starts every node before any can answer)."""
         if self.is_running():
-            self.wait_ready(timeout)
+            if wait:
+                self.wait_ready(timeout)
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -281,7 +299,8 @@ class KafkaBroker:
         )
         out.close()
         self.pid_file.write_text(str(self._proc.pid))
-        self.wait_ready(timeout)
+        if wait:
+            self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float = 90.0) -> None:
@@ -353,10 +372,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # a zombie child of ours counts as dead
+    # a zombie child of ours counts as dead; a JVM whose main thread exited shows "Z" too
+    # while its other threads still shut it down: alive while it has threads left
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
+            if f.read().split(") ", 1)[1][:1] != "Z":
+                return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
     except OSError:
         return True
 
