@@ -16,6 +16,8 @@ Definitions shared by the views:
   time the sample reached the samples topic, minus the oldest policy version that produced
   any of its tokens (min_policy_version). Version 0 is the initial weights, published at time
   0, so it is the staleness the trainer sees if it trains the sample as soon as it arrives.
+- a *trainer step* (view ``train_steps``) is one published policy version with the metrics
+  the trainer recorded for it (NaN where it recorded none);
 - a *stage* (view ``stages``) is one StageEvent pair of the rollout service (init, run, eval);
   its duration is the finished event's ``duration_ms``, its outcome the finished status.
 Tables are read with FINAL (or idempotent aggregates), so raw duplicates never count twice.
@@ -205,6 +207,21 @@ ORDER BY rollouts DESC, status""",
             chart="bar",
             x="status",
             y=("rollouts",),
+        ),
+        View(
+            "train_steps",
+            "Trainer steps: loss, clip fraction, approx KL, entropy, grad norm, step time",
+            """-- train_steps (migration 0006): one row per published policy version; a metric the
+-- trainer did not record is NaN
+SELECT policy_version, trainer_step, ts, samples_trained, loss, clip_frac, approx_kl, entropy,
+       grad_norm, step_time_s, batch_samples, batch_tokens, lr, stale_dropped, dlq
+FROM {db}.train_steps
+ORDER BY policy_version
+LIMIT {limit:UInt32}""",
+            {"limit": Param("UInt32", 10_000)},
+            "line",
+            "policy_version",
+            ("loss", "clip_frac", "approx_kl"),
         ),
         View(
             "top_failing_tasks",

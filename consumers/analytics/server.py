@@ -22,6 +22,9 @@ A refused query is 403 naming the reason; a query the engine refuses or that bre
     create_app(store, database=, namespace=, stats=, codec=, api_keys=, max_body_bytes=)
     serve(settings, stats=) -> AnalyticsServer      the app in a daemon thread (``stop()``)
 
+The web UI (``ui/``: static files, open) is served at ``/ui/``; its data comes from the canned
+views and ``/ui/api/<name>`` (ui_api.py), behind the same key.
+
 Errors: ``AnalyticsError`` (the server did not start); requests that fail answer 400
 (bad request, a query ClickHouse refused), 401 (no valid key), 403 (RefusedQuery), 404 (no
 such view) or 413 (body too large).
@@ -37,6 +40,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -46,10 +50,11 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from rollstream.adapters.codecs import build_codec
-from rollstream.consumers.analytics import reports
+from rollstream.consumers.analytics import reports, ui_api
 from rollstream.consumers.analytics.protocol import (
     LAST_HEADER,
     RECORDS_HEADER,
@@ -78,11 +83,13 @@ __all__ = [
     "checked_query",
     "create_app",
     "serve",
+    "ui_data",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+UI_DIR = Path(__file__).parent / "ui"  # the web UI's static files, served at /ui/
 _PARAM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _PARAM_TYPES = (str, int, float, bool, list, type(None))
 
@@ -151,6 +158,11 @@ def checked_query(client: Any, sql: str, params: Mapping[str, Any], database: st
     plan = chstore.query(client, f"EXPLAIN AST {sql}", params)
     check_ast([str(row[0]) for row in plan.rows], database=database)
     return chstore.query(client, sql, params)
+
+
+def ui_data(client: Any, endpoint: ui_api.Endpoint, params: Any, database: str) -> Any:
+    """Run a web UI data endpoint (ui_api.py) with ``client`` as its query edge."""
+    return endpoint.run(params, database, lambda q: chstore.query(client, q.sql, q.params))
 
 
 class QueryClient:
@@ -329,6 +341,16 @@ def create_app(
         rollouts, n_events = await run_in_threadpool(store.call, count_rollouts, db, flt)
         return _json({"rollouts": rollouts, "events": n_events})
 
+    async def ui_endpoint(request: Request) -> Response:
+        name = request.path_params["name"]
+        spec = ui_api.ENDPOINTS.get(name)
+        if spec is None:
+            raise _Answer(404, f"no UI endpoint {name!r}; endpoints: {', '.join(ui_api.ENDPOINTS)}")
+        raw = request.query_params.multi_items()
+        db = database_of(next((v for k, v in raw if k == "namespace"), None))
+        params = ui_api.parse_params(spec, [(k, v) for k, v in raw if k != "namespace"])
+        return _json(await run_in_threadpool(store.call, ui_data, spec, params, db))
+
     return Starlette(
         routes=[
             Route("/health", health),
@@ -337,6 +359,8 @@ def create_app(
             Route("/reports/{view}", endpoint(run_view)),
             Route("/events", endpoint(events), methods=["POST"]),
             Route("/events/count", endpoint(count), methods=["POST"]),
+            Route("/ui/api/{name}", endpoint(ui_endpoint)),
+            Mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui"),  # open: no data
         ]
     )
 

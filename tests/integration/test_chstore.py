@@ -140,18 +140,18 @@ def test_migrations_apply_once_and_twice_changes_nothing(client: Any) -> None:
     applied = apply_migrations(client, db)
     assert applied == [
         "0001_events", "0002_rollouts", "0003_training", "0004_rollout_tokens",
-        "0005_rollout_stages",
+        "0005_rollout_stages", "0006_train_steps",
     ]  # fmt: skip
     before = schema(client, db)
     assert {r[0] for r in before} == {
         "events", "llm_calls", "tool_calls", "rewards", "rollouts", "rollout_status",
         "trajectories", "samples", "policy_versions", "schema_migrations", "rollout_tokens",
         "rollout_tokens_from_rollouts", "rollout_tokens_from_llm_calls",
-        "stages", "sandboxes", "evaluator_outputs",
+        "stages", "sandboxes", "evaluator_outputs", "train_steps",
     }  # fmt: skip
     assert apply_migrations(client, db) == []
     assert schema(client, db) == before
-    assert count(client, f"SELECT count() FROM {db}.schema_migrations") == 5
+    assert count(client, f"SELECT count() FROM {db}.schema_migrations") == 6
 
 
 def test_ddl_columns_match_the_row_mapping(client: Any, db: str) -> None:
@@ -178,7 +178,7 @@ def test_edited_or_new_migrations(client: Any, tmp_path: Path) -> None:
     directory = tmp_path / "migrations"
     shutil.copytree(MIGRATIONS_DIR, directory)
     db = database_for(f"m{uuid.uuid4().hex[:8]}")
-    assert len(apply_migrations(client, db, directory=directory)) == 5
+    assert len(apply_migrations(client, db, directory=directory)) == 6
     (directory / "0099_extra.sql").write_text(
         "-- a later migration; semicolons in 'strings; like this' stay\n"
         "CREATE TABLE IF NOT EXISTS {db}.extra (x String DEFAULT 'a;b') "
@@ -191,7 +191,7 @@ def test_edited_or_new_migrations(client: Any, tmp_path: Path) -> None:
     path.write_text(path.read_text() + "\n-- edited after it was applied\n")
     with pytest.raises(MigrationError, match=r"0001_events .*changed"):
         apply_migrations(client, db, directory=directory)
-    (directory / "0006_broken.sql").write_text("CREATE TABLE {db}.nope (x Nonsense)")
+    (directory / "0098_broken.sql").write_text("CREATE TABLE {db}.nope (x Nonsense)")
     path.write_text((MIGRATIONS_DIR / "0001_events.sql").read_text())
     with pytest.raises(MigrationError, match="failed"):
         apply_migrations(client, db, directory=directory)

@@ -169,7 +169,9 @@ def test_backfill_of_existing_data_is_exact_and_idempotent(client: Any, tmp_path
     insert(client, db, events[100:], 600, 5_000)  # duplicates before the views exist
     old = [tuple(r) for r in client.query(REFERENCE.replace("{db}", db)).result_rows]
 
-    assert apply_migrations(client, db) == ["0004_rollout_tokens", "0005_rollout_stages"]
+    assert apply_migrations(client, db) == [
+        "0004_rollout_tokens", "0005_rollout_stages", "0006_train_steps",
+    ]  # fmt: skip
     new, old_after = both(client, db)
     assert new == old == old_after
 
