@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias
@@ -27,7 +28,13 @@ __all__ = [
     "I32",
     "I64",
     "LIFECYCLE_TYPES",
+    "METADATA_MAX_CHARS",
+    "METADATA_MAX_KEYS",
+    "POLICY_VERSION_MAX",
     "REWARD_BOUND",
+    "SAFE_INT_MAX",
+    "SAMPLING_MAX_KEYS",
+    "TOKEN_ID_MAX",
     "U8",
     "U32",
     "Body",
@@ -58,6 +65,10 @@ __all__ = [
     "TrajectoryNode",
     "Usage",
     "as_array",
+    "metadata_problem",
+    "policy_version_problem",
+    "reward_problem",
+    "token_ids_problem",
 ]
 
 U32 = np.dtype("<u4")
@@ -111,6 +122,76 @@ class SandboxPhase(enum.StrEnum):
 class SampleMode(enum.StrEnum):
     PATH = "path"
     TREE = "tree"
+
+
+# --- bounds: what a value from outside may be before a record is built from it ------------------
+# The Avro writer encodes any int as a long and numpy casts ids to uint32 without complaint, so a
+# value past these bounds would not fail: it would wrap (2**64 - 1 reads back as -1, -1 as
+# 4294967295). Producers (SDK, proxy, rollout API) check them with the *_problem functions below,
+# which return why a value is out of bounds (None when it is not), so each caller raises its own
+# error naming its own field.
+
+# 2**53 - 1 (JavaScript's Number.MAX_SAFE_INTEGER): an integer that JSON readers (the web UI,
+# clients in any language, float64 columns) read back exactly; far inside the Avro long
+# and ClickHouse Int64 the versions are stored as, and more versions than any trainer publishes
+SAFE_INT_MAX = 2**53 - 1
+POLICY_VERSION_MAX = SAFE_INT_MAX  # PolicyVersion.version, LlmCall / RolloutStarted .policy_version
+TOKEN_ID_MAX = 2**32 - 1  # token ids are packed as uint32 (U32)
+METADATA_MAX_KEYS = 256  # RolloutStarted.metadata entries
+METADATA_MAX_CHARS = 65_536  # characters of one metadata key or value
+SAMPLING_MAX_KEYS = 64  # RolloutStarted.sampling entries
+
+
+def policy_version_problem(value: object) -> str | None:
+    """Why ``value`` is not a policy version (an int in [0, POLICY_VERSION_MAX]), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        return f"must be an integer, not {type(value).__name__}"
+    if not 0 <= value <= POLICY_VERSION_MAX:
+        return f"must be in [0, {POLICY_VERSION_MAX}] (2**53 - 1)"
+    return None
+
+
+def reward_problem(value: object) -> str | None:
+    """Why ``value`` is not a reward value (a finite number in [-REWARD_BOUND, REWARD_BOUND]:
+    the stream processors dead-letter any other as ``bad_reward``), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return f"must be a number, not {type(value).__name__}"
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        number = math.inf
+    if not (math.isfinite(number) and abs(number) <= REWARD_BOUND):
+        return f"must be a finite number in [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]"
+    return None
+
+
+def token_ids_problem(values: Array) -> str | None:
+    """Why the array ``values`` is not a sequence of token ids (integers in [0, TOKEN_ID_MAX],
+    one dimension), else None. A uint32 array passes at once; others are range-checked once
+    (vectorised): numpy would cast them to uint32 by wrapping."""
+    if values.dtype == U32 and values.ndim == 1:
+        return None
+    if values.ndim != 1:
+        return f"must be a one-dimensional sequence of token ids, not shape {values.shape}"
+    if not values.size:
+        return None
+    kind = values.dtype.kind
+    if kind not in "ui":  # floats, bools, objects (ints past 64 bits), strings
+        return f"must be integers in [0, {TOKEN_ID_MAX}], not {values.dtype}"
+    if (kind == "i" and values.min() < 0) or values.max() > TOKEN_ID_MAX:
+        return f"must be integers in [0, {TOKEN_ID_MAX}] (uint32)"
+    return None
+
+
+def metadata_problem(metadata: dict[str, str]) -> str | None:
+    """Why a metadata map (string keys and values) is past its bounds (METADATA_MAX_KEYS
+    entries, METADATA_MAX_CHARS characters per key or value), else None."""
+    if len(metadata) > METADATA_MAX_KEYS:
+        return f"has {len(metadata)} keys, more than {METADATA_MAX_KEYS}"
+    for key, value in metadata.items():
+        if len(key) > METADATA_MAX_CHARS or len(value) > METADATA_MAX_CHARS:
+            return f"key or value of {key[:40]!r} longer than {METADATA_MAX_CHARS} characters"
+    return None
 
 
 def as_array(value: Any, dtype: np.dtype[Any]) -> Array:

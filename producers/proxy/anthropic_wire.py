@@ -63,6 +63,7 @@ from rollstream.producers.proxy.openai_wire import (
     ChatRequest,
     dumps,
     flag,
+    json_text,
     number,
     parse_chat_request,
 )
@@ -385,8 +386,8 @@ def stop_reason(finish_reason: str, *, tool_use: bool, stop_sequence: str | None
 
 def _input(arguments: str) -> dict[str, Any]:
     try:
-        value = json.loads(arguments)
-    except ValueError:
+        value = json_text(arguments)
+    except ValueError:  # not JSON, or nested past MAX_JSON_DEPTH
         return {}
     return value if isinstance(value, dict) else {}
 

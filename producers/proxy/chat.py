@@ -87,6 +87,7 @@ import numpy.typing as npt
 from rollstream.producers.errors import ChatError, ChatInputError, ChatTemplateError
 from rollstream.producers.proxy.chat_template import ChatTemplate
 from rollstream.producers.proxy.messages import message_key, normalize_messages, normalize_tools
+from rollstream.producers.proxy.openai_wire import json_text
 from rollstream.producers.sdk.context import common_prefix
 
 __all__ = [
@@ -304,8 +305,8 @@ def parse_reply(
 
     def take(match: re.Match[str]) -> str:
         try:
-            obj = json.loads(match.group(1))
-        except ValueError:
+            obj = json_text(match.group(1))
+        except ValueError:  # not JSON, or nested past MAX_JSON_DEPTH: the block stays text
             return match.group(0)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return match.group(0)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rollstream.producers.errors import ChatInputError
+from rollstream.producers.proxy.openai_wire import json_text
 
 __all__ = ["ROLES", "message_key", "normalize_messages", "normalize_tools"]
 
@@ -121,9 +122,9 @@ def normalize_tools(raw: Any) -> list[dict[str, Any]] | None:
 def _canonical_arguments(arguments: str) -> str:
     try:
         return json.dumps(
-            json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+            json_text(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False
         )
-    except ValueError:
+    except ValueError:  # not JSON, or nested past MAX_JSON_DEPTH: the text itself
         return arguments.strip()
 
 

@@ -23,6 +23,7 @@ answered garbage, 503 no backend). ApiError and its place in the tree: producers
 
 from __future__ import annotations
 
+import json as _json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rollstream.producers.errors import ApiError, ChatError, ChatInputError, ProxyError
+from rollstream.schemas.events import SAFE_INT_MAX, TOKEN_ID_MAX
 
 try:
     import orjson
@@ -52,6 +54,8 @@ __all__ = [
     "ERROR_TYPES",
     "FINISH_REASONS",
     "MAX_CHOICES",
+    "MAX_JSON_DEPTH",
+    "MAX_REWARDS",
     "MAX_TOP_LOGPROBS",
     "Answer",
     "ApiError",
@@ -71,6 +75,7 @@ __all__ = [
     "error_body",
     "flag",
     "json_answer",
+    "json_text",
     "loads",
     "number",
     "parse_chat_request",
@@ -79,6 +84,7 @@ __all__ = [
     "sse_body",
     "text_answer",
     "text_chunks",
+    "too_deep",
     "too_large",
     "usage",
 ]
@@ -166,19 +172,61 @@ def too_large(declared: str | bytes | None, limit: int) -> None:
         raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
 
 
+# how deep objects and arrays may nest in a request body (its top-level object counts as 1) and
+# in the JSON texts a request or a reply carries (tool call arguments): far past what any API's
+# body needs (a chat body with tool schemas: about 10), and far inside what the JSON libraries
+# themselves stop at (orjson writes 254 levels, Python's json recurses about 1,000 deep), so a
+# hostile body is a 400 here and never an encoder's error (a 500) where the value is used
+MAX_JSON_DEPTH = 32
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether objects and arrays nest more than ``limit`` levels in ``value`` (a scalar: 0,
+    ``{}``: 1). Level by level, without recursion, however deep ``value`` is; plain dicts and
+    lists only (what a JSON parser makes)."""
+    level = [value] if type(value) is dict or type(value) is list else []
+    for _ in range(limit):
+        if not level:
+            return False
+        deeper: list[Any] = []
+        for item in level:
+            children = item.values() if type(item) is dict else item
+            deeper += [c for c in children if type(c) is dict or type(c) is list]
+        level = deeper
+    return bool(level)
+
+
+def json_text(text: str | bytes) -> Any:
+    """A JSON text (tool call arguments) parsed, as Python's json parses it; ValueError when it
+    is not JSON or nests deeper than MAX_JSON_DEPTH (never a RecursionError)."""
+    try:
+        value = _json.loads(text)
+    except RecursionError as exc:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from exc
+    if too_deep(value):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object (empty: ``{}``); 400 if it is not one."""
+    """A request body as a JSON object (empty: ``{}``); 400 if it is not one, or if a field
+    nests objects and arrays deeper than MAX_JSON_DEPTH (``param`` names the field)."""
     try:
         data = loads(raw or b"{}")
     except JSONDecodeError as exc:
         raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_body")
+    for key, value in data.items():
+        if too_deep(value, MAX_JSON_DEPTH - 1):
+            msg = f"`{key}` nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+            raise ApiError(400, msg, param=key, code="invalid_value")
     return data
 
 
 def bearer_token(value: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    """The token of an ``Authorization: Bearer <token>`` header value, else None. The token may
+    be any text (a non-ASCII one is simply not a valid token: 401 where it is checked)."""
     if value is None:
         return None
     scheme, _, token = value.partition(" ")
@@ -192,7 +240,9 @@ def number(
     body: dict[str, Any], key: str, default: Any, kind: type = int,
     lo: float | None = None, hi: float | None = None,
 ) -> Any:  # fmt: skip
-    """``body[key]`` as an int (a float with ``kind=float``) in [lo, hi]; 400 otherwise."""
+    """``body[key]`` as an int (a float with ``kind=float``) in [lo, hi]; 400 otherwise. An int
+    is always within +-SAFE_INT_MAX (2**53 - 1: what JSON readers read back exactly, inside
+    the Avro long), a float always finite, whatever ``lo`` and ``hi`` say."""
     value = body.get(key)
     if value is None:
         return default
@@ -200,8 +250,10 @@ def number(
     if isinstance(value, bool) or not isinstance(value, ok):
         word = "an integer" if kind is int else "a number"
         raise ApiError(400, f"`{key}` must be {word}", param=key, code="invalid_value")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ApiError(400, f"`{key}` must be in [{lo}, {hi}]", param=key, code="invalid_value")
+    low = -SAFE_INT_MAX if lo is None else lo
+    high = SAFE_INT_MAX if hi is None else hi
+    if not low <= value <= high:  # exact for ints of any size: no float conversion
+        raise ApiError(400, f"`{key}` must be in [{low}, {high}]", param=key, code="invalid_value")
     return kind(value)
 
 
@@ -216,6 +268,7 @@ def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
 
 MAX_CHOICES = 16  # n of one chat request: that many backend samples of one prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's limit
+MAX_REWARDS = 1_000  # rewards in one POST /v1/rollouts/{id}/rewards
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -368,6 +421,9 @@ def parse_text_request(body: dict[str, Any]) -> TextRequest:
     ):
         msg = "`prompt` must be a non-empty string or list of token ids (one prompt)"
         raise ApiError(400, msg, param="prompt")
+    if isinstance(raw, list) and not all(0 <= t <= TOKEN_ID_MAX for t in raw):
+        msg = f"`prompt` token ids must be in [0, {TOKEN_ID_MAX}] (uint32)"
+        raise ApiError(400, msg, param="prompt", code="invalid_value")
     return TextRequest(prompt=raw, params=_call_params(body))
 
 

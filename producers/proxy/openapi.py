@@ -5,8 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollstream.producers.proxy.openai_wire import ERROR_TYPES
-from rollstream.schemas import RewardKind, RolloutStatus
+from rollstream.producers.proxy.openai_wire import (
+    ERROR_TYPES,
+    MAX_CHOICES,
+    MAX_JSON_DEPTH,
+    MAX_REWARDS,
+    MAX_TOP_LOGPROBS,
+)
+from rollstream.schemas import REWARD_BOUND, RewardKind, RolloutStatus
+from rollstream.schemas.events import (
+    METADATA_MAX_KEYS,
+    POLICY_VERSION_MAX,
+    SAFE_INT_MAX,
+    SAMPLING_MAX_KEYS,
+    TOKEN_ID_MAX,
+)
 
 __all__ = ["OPENAPI"]
 
@@ -15,35 +28,54 @@ def _schema(required: str, **props: Any) -> dict[str, Any]:
     return {"type": "object", "required": required.split(), "properties": props}
 
 
+def _int(lo: int = -SAFE_INT_MAX, hi: int = SAFE_INT_MAX) -> dict[str, Any]:
+    """An integer field and the bounds the proxy enforces (every int within +-2**53 - 1)."""
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+def _num(lo: float = -SAFE_INT_MAX, hi: float = SAFE_INT_MAX) -> dict[str, Any]:
+    return {"type": "number", "minimum": lo, "maximum": hi}
+
+
 _ANY: dict[str, Any] = {}
-_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+_S, _B = {"type": "string"}, {"type": "boolean"}
+_I, _N, _COUNT = _int(), _num(), _int(0)
 _OBJ, _LIST = {"type": "object"}, {"type": "array", "items": {"type": "object"}}
+_TOKENS = {"type": "array", "minItems": 1, "items": _int(0, TOKEN_ID_MAX)}  # uint32 token ids
 _CHAT = _schema(
     "messages", model=_S, messages=_LIST, tools=_LIST, tool_choice=_ANY, stream=_B,
-    stream_options=_OBJ, max_tokens=_I, max_completion_tokens=_I, temperature=_N, top_p=_N,
-    seed=_I, n={"type": "integer", "minimum": 1, "maximum": 16}, stop=_ANY, logprobs=_B,
-    top_logprobs={"type": "integer", "minimum": 0, "maximum": 20}, response_format=_OBJ,
+    stream_options=_OBJ, max_tokens=_int(1), max_completion_tokens=_int(1),
+    temperature=_num(0, 2), top_p=_num(0, 1), seed=_I, n=_int(1, MAX_CHOICES), stop=_ANY,
+    logprobs=_B, top_logprobs=_int(0, MAX_TOP_LOGPROBS), response_format=_OBJ,
     return_token_ids=_B,
 )  # fmt: skip
-_TEXT = _schema("prompt", model=_S, prompt=_ANY, stream=_B, max_tokens=_I, temperature=_N,
-                top_p=_N, seed=_I, return_token_ids=_B)  # fmt: skip
+_PROMPT = {"oneOf": [{**_S, "minLength": 1}, _TOKENS]}  # or a batch of one: [prompt]
+_TEXT = _schema("prompt", model=_S, prompt={"oneOf": [*_PROMPT["oneOf"], {
+                    "type": "array", "minItems": 1, "maxItems": 1, "items": _PROMPT}]},
+                stream=_B, max_tokens=_int(1), temperature=_num(0, 2), top_p=_num(0, 1),
+                seed=_I, return_token_ids=_B)  # fmt: skip
 _MESSAGES = _schema(
-    "messages max_tokens", model=_S, messages=_LIST, max_tokens=_I, system=_ANY, tools=_LIST,
-    tool_choice=_OBJ, stream=_B, temperature=_N, top_p=_N, stop_sequences=_ANY, metadata=_OBJ,
-    thinking=_OBJ, service_tier=_S,
+    "messages max_tokens", model=_S, messages=_LIST, max_tokens=_int(1), system=_ANY,
+    tools=_LIST, tool_choice=_OBJ, stream=_B, temperature=_num(0, 1), top_p=_num(0, 1),
+    stop_sequences=_ANY, metadata=_OBJ, thinking=_OBJ, service_tier=_S,
 )  # fmt: skip
 _RESPONSES = _schema(
     "input", model=_S, input=_ANY, instructions=_S, tools=_LIST, tool_choice=_ANY, stream=_B,
-    max_output_tokens=_I, temperature=_N, top_p=_N, store=_B, parallel_tool_calls=_B,
-    metadata=_OBJ, reasoning=_OBJ, text=_OBJ, include=_ANY, truncation=_S, user=_S,
+    max_output_tokens=_int(1), temperature=_num(0, 2), top_p=_num(0, 1), store=_B,
+    parallel_tool_calls=_B, metadata=_OBJ, reasoning=_OBJ, text=_OBJ, include=_ANY,
+    truncation=_S, user=_S,
 )  # fmt: skip
 _ROLLOUT = _schema(
-    "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_I, harness=_S, group_size=_I,
-    run_id=_S, sampling=_OBJ, metadata=_OBJ,
+    "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_COUNT, harness=_S,
+    group_size=_COUNT, run_id=_S,
+    sampling={"type": "object", "maxProperties": SAMPLING_MAX_KEYS, "additionalProperties": _N},
+    metadata={"type": "object", "maxProperties": METADATA_MAX_KEYS},
 )  # fmt: skip
-_REWARD = _schema("value", value=_N, kind={"enum": [k.value for k in RewardKind]}, name=_S,
-                  at_call_id=_S, evaluator=_S)  # fmt: skip
-_REWARDS = {"oneOf": [_REWARD, _schema("rewards", rewards={"type": "array", "items": _REWARD})]}
+_REWARD = _schema("value", value=_num(-REWARD_BOUND, REWARD_BOUND),
+                  kind={"enum": [k.value for k in RewardKind]}, name=_S, at_call_id=_S,
+                  evaluator=_S)  # fmt: skip
+_REWARDS = {"oneOf": [_REWARD, _schema("rewards", rewards={
+    "type": "array", "minItems": 1, "maxItems": MAX_REWARDS, "items": _REWARD})]}  # fmt: skip
 _TOOL = _schema("name", name=_S, arguments=_ANY, result=_S, is_error=_B, duration_ms=_N,
                 sandbox=_S, at_call_id=_S, tool_call_id=_S)  # fmt: skip
 _FINISH = _schema("", status={"enum": [s.value for s in RolloutStatus]}, error=_S)
@@ -56,7 +88,7 @@ _LIFECYCLE = _schema(
     )},
 )  # fmt: skip
 _OTLP = _schema("", resourceSpans=_LIST)  # OTLP/JSON; protobuf: the same message
-_WEIGHTS = _schema("path version", path=_S, version=_I)
+_WEIGHTS = _schema("path version", path=_S, version=_int(0, POLICY_VERSION_MAX))
 _JOB = _schema("tasks agent", job_id=_S, tasks=_OBJ, samples_per_task=_I, agent=_OBJ,
                sandbox=_OBJ, evaluator=_OBJ, timeouts=_OBJ, attempts=_I, run_id=_S,
                policy=_S)  # fmt: skip
@@ -139,7 +171,17 @@ def _openapi() -> dict[str, Any]:
                   "code": {"type": ["string", "null"]}}  # fmt: skip
     return {
         "openapi": "3.1.0",
-        "info": {"title": "rollstream recording proxy", "version": "1"},
+        "info": {
+            "title": "rollstream recording proxy",
+            "version": "1",
+            "description": (
+                "Every bound stated here is enforced (a 400 whose `param` names the field). "
+                f"A request body nests objects and arrays at most {MAX_JSON_DEPTH} levels deep; "
+                "integers are within +-(2**53 - 1); policy versions are in "
+                f"[0, {POLICY_VERSION_MAX}], token ids in [0, {TOKEN_ID_MAX}], reward values in "
+                f"[-{REWARD_BOUND:g}, {REWARD_BOUND:g}]."
+            ),
+        },
         "paths": paths,
         "components": {
             "securitySchemes": {

@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import math
 import re
 import time
 from collections import OrderedDict
@@ -49,12 +48,31 @@ from ulid import ULID
 from rollstream.producers.errors import ApiError, ProxyConfigError
 from rollstream.producers.proxy.chat import ChatMemory
 from rollstream.producers.proxy.lifecycle import parse_lifecycle
-from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, dumps, json_answer
+from rollstream.producers.proxy.openai_wire import (
+    MAX_REWARDS,
+    Answer,
+    HttpRequest,
+    dumps,
+    json_answer,
+    number,
+)
 from rollstream.producers.proxy.pool import BackendPool
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError, RolloutHandle
 from rollstream.schemas import REWARD_BOUND, RewardKind, RolloutStatus
+from rollstream.schemas.events import (
+    SAFE_INT_MAX,
+    SAMPLING_MAX_KEYS,
+    metadata_problem,
+    reward_problem,
+)
 
-__all__ = ["Auth", "OpenRollout", "RolloutApi", "RolloutTokens", "Rollouts"]
+__all__ = [
+    "Auth",
+    "OpenRollout",
+    "RolloutApi",
+    "RolloutTokens",
+    "Rollouts",
+]
 
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 
@@ -83,8 +101,8 @@ class RolloutTokens:
         rid = self._valid.get(token)
         if rid is not None:
             return rid
-        if not token.startswith(self.PREFIX):
-            return None
+        if not token.isascii() or not token.startswith(self.PREFIX):
+            return None  # a non-ASCII token is no token of ours (and hmac cannot compare it)
         rollout_id, dot, sig = token[len(self.PREFIX) :].rpartition(".")
         if not dot or not rollout_id:
             return None
@@ -176,9 +194,12 @@ class Rollouts:
             raise ApiError(
                 409, f"rollout {rid} already exists", code="rollout_exists", param="rollout_id"
             )
-        handle = self.recorder.rollout(
-            rollout_id=rid, policy_version=self.pool.policy_version, **started
-        )
+        try:
+            handle = self.recorder.rollout(
+                rollout_id=rid, policy_version=self.pool.policy_version, **started
+            )
+        except RecorderUsageError as exc:  # a value past its bound (the message names it)
+            raise ApiError(400, str(exc), code="invalid_value") from exc
         ro = OpenRollout(handle)
         self.open[rid] = ro
         self.created += 1
@@ -229,11 +250,36 @@ class Rollouts:
 
 
 def _str_dict(value: Any, param: str) -> dict[str, str]:
+    """An object as a map of strings (values that are not strings as their JSON), within the
+    metadata bounds (METADATA_MAX_KEYS, METADATA_MAX_CHARS of rollstream.schemas.events)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ApiError(400, f"`{param}` must be an object", param=param)
-    return {str(k): v if isinstance(v, str) else dumps(v).decode() for k, v in value.items()}
+    out = {str(k): v if isinstance(v, str) else dumps(v).decode() for k, v in value.items()}
+    problem = metadata_problem(out)
+    if problem is not None:
+        raise ApiError(400, f"`{param}` {problem}", param=param, code="invalid_value")
+    return out
+
+
+def _sampling(value: Any) -> dict[str, float]:
+    """``sampling``: at most SAMPLING_MAX_KEYS names, each mapped to a number within
+    +-SAFE_INT_MAX."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise ApiError(400, "`sampling` must map names to numbers", param="sampling")
+    if len(value) > SAMPLING_MAX_KEYS:
+        msg = f"`sampling` has {len(value)} entries, more than {SAMPLING_MAX_KEYS}"
+        raise ApiError(400, msg, param="sampling", code="invalid_value")
+    for key, v in value.items():
+        if not -SAFE_INT_MAX <= v <= SAFE_INT_MAX:  # exact for ints of any size
+            msg = f"`sampling.{key}` must be in [-{SAFE_INT_MAX}, {SAFE_INT_MAX}]"
+            raise ApiError(400, msg, param=f"sampling.{key}", code="invalid_value")
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def _opt_str(body: dict[str, Any], key: str, default: str | None = "") -> Any:
@@ -245,21 +291,18 @@ def _opt_str(body: dict[str, Any], key: str, default: str | None = "") -> Any:
 
 def _opt_int(body: dict[str, Any], key: str, default: int | None) -> Any:
     value = body.get(key, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ApiError(400, f"`{key}` must be a non-negative integer", param=key)
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SAFE_INT_MAX
+    ):
+        msg = f"`{key}` must be an integer in [0, {SAFE_INT_MAX}]"
+        raise ApiError(400, msg, param=key, code="invalid_value")
     return value
 
 
 def _reward_value(value: Any) -> float | None:
     """A reward value as a float in [-REWARD_BOUND, REWARD_BOUND], else None (not a number, a
     bool, NaN, an infinity or larger: the stream processors would dead-letter it)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an int past the float range
-        return None
-    return number if math.isfinite(number) and abs(number) <= REWARD_BOUND else None
+    return float(value) if reward_problem(value) is None else None
 
 
 class RolloutApi:
@@ -275,11 +318,7 @@ class RolloutApi:
         task_id = body.get("task_id")
         if not isinstance(task_id, str) or not task_id:
             raise ApiError(400, "`task_id` is required (a non-empty string)", param="task_id")
-        sampling = body.get("sampling") or {}
-        if not isinstance(sampling, dict) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in sampling.values()
-        ):
-            raise ApiError(400, "`sampling` must map names to numbers", param="sampling")
+        sampling = _sampling(body.get("sampling") or None)
         ro = self.rollouts.create(
             rollout_id=_opt_str(body, "rollout_id", None),
             task_id=task_id,
@@ -333,9 +372,7 @@ class RolloutApi:
             msg = "`arguments` must be a string, an object or a list"
             raise ApiError(400, msg, param="arguments")
         result = body.get("result", "")
-        duration = body.get("duration_ms", 0.0)
-        if isinstance(duration, bool) or not isinstance(duration, int | float):
-            raise ApiError(400, "`duration_ms` must be a number", param="duration_ms")
+        duration = number(body, "duration_ms", 0.0, float)  # within +-SAFE_INT_MAX
         opt = {k: _opt_str(body, k, None) for k in ("sandbox", "at_call_id", "tool_call_id")}
         text = result if isinstance(result, str) else dumps(result).decode()
         tid = opt["tool_call_id"]
@@ -359,6 +396,9 @@ class RolloutApi:
         items = body.get("rewards", [body])
         if not isinstance(items, list) or not items:
             raise ApiError(400, "`rewards` must be a non-empty list", param="rewards")
+        if len(items) > MAX_REWARDS:
+            msg = f"`rewards` has {len(items)} items, more than {MAX_REWARDS}"
+            raise ApiError(400, msg, param="rewards", code="invalid_value")
         parsed = []
         for i, item in enumerate(items):
             p = f"rewards[{i}]" if "rewards" in body else ""

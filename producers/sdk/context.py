@@ -53,6 +53,7 @@ from rollstream.producers.errors import ContextError, ProducerError
 __all__ = ["ContextError", "ContextMatch", "ContextTrie", "ProducerError", "common_prefix"]
 
 _U32 = np.dtype("<u4")
+_U32_MAX = int(np.iinfo(_U32).max)  # TOKEN_ID_MAX of rollstream.schemas.events
 _PROBE = 4096  # compare a short head first so an early mismatch in a long edge stays cheap
 
 Tokens = npt.NDArray[Any]
@@ -75,8 +76,10 @@ def _tokens(value: Any) -> Tokens:
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise ContextError(f"token ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "ui":
+    if arr.size and arr.dtype.kind not in "ui":  # floats, bools, objects (ints past 64 bits)
         raise ContextError(f"token ids must be integers, got {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > _U32_MAX):  # the cast below would wrap them
+        raise ContextError(f"token ids must be in [0, {_U32_MAX}] (uint32)")
     return np.ascontiguousarray(arr, dtype=_U32)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -60,7 +61,15 @@ from rollstream.schemas import (
     ToolCall,
     Usage,
 )
-from rollstream.schemas.events import Body
+from rollstream.schemas.events import (
+    SAFE_INT_MAX,
+    SAMPLING_MAX_KEYS,
+    Body,
+    metadata_problem,
+    policy_version_problem,
+    reward_problem,
+    token_ids_problem,
+)
 
 __all__ = [
     "Recorder",
@@ -105,6 +114,34 @@ _INTS = (int, np.integer)  # what a long field takes (numpy's ints too, as the e
 
 
 _E = TypeVar("_E", bound=enum.Enum)
+
+
+def _bounded(name: str, problem: str | None) -> None:
+    """RecorderUsageError naming the argument when a bound check found a ``problem``."""
+    if problem is not None:
+        raise RecorderUsageError(f"{name} {problem}")
+
+
+def _count(name: str, value: Any) -> None:
+    """A count (attempt, group size, drift tokens): an int in [0, SAFE_INT_MAX]."""
+    if isinstance(value, bool) or not isinstance(value, _INTS) or not 0 <= value <= SAFE_INT_MAX:
+        raise RecorderUsageError(f"{name} must be an integer in [0, {SAFE_INT_MAX}], got {value!r}")
+
+
+def _sampling(sampling: dict[str, float] | None) -> dict[str, float]:
+    """``sampling`` as finite floats, at most SAMPLING_MAX_KEYS of them."""
+    if sampling is not None and len(sampling) > SAMPLING_MAX_KEYS:
+        raise RecorderUsageError(f"sampling has more than {SAMPLING_MAX_KEYS} entries")
+    out = {}
+    for key, value in (sampling or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise RecorderUsageError(f"sampling[{key!r}] must be a finite number, got {value!r}")
+        out[str(key)] = number
+    return out
 
 
 def _enum(cls: type[_E], value: Any) -> _E:
@@ -177,7 +214,17 @@ class Recorder:
         sampling: dict[str, float] | None = None,
         metadata: dict[str, str] | None = None,
     ) -> RolloutHandle:
-        """Start a rollout (emits RolloutStarted, seq 0). Use it as a context manager."""
+        """Start a rollout (emits RolloutStarted, seq 0). Use it as a context manager.
+        Values past their bounds (rollstream.schemas.events: a policy version in
+        [0, POLICY_VERSION_MAX], counts in [0, SAFE_INT_MAX], finite sampling numbers,
+        metadata within METADATA_MAX_KEYS / METADATA_MAX_CHARS) raise RecorderUsageError
+        naming the argument, and nothing is recorded."""
+        _bounded("policy_version", policy_version_problem(policy_version))
+        _count("attempt", attempt)
+        if group_size is not None:
+            _count("group_size", group_size)
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        _bounded("metadata", metadata_problem(meta))
         started = RolloutStarted(
             task_id=task_id,
             group_id=group_id,
@@ -186,8 +233,8 @@ class Recorder:
             policy_version=policy_version,
             group_size=group_size,
             run_id=run_id,
-            sampling={k: float(v) for k, v in (sampling or {}).items()},
-            metadata={k: str(v) for k, v in (metadata or {}).items()},
+            sampling=_sampling(sampling),
+            metadata=meta,
         )
         return RolloutHandle(self, rollout_id or _ulid(), started)
 
@@ -374,9 +421,21 @@ class RolloutHandle:
         usage: Usage | None = None,
         drift_tokens: int = 0,
     ) -> str:
-        """Record a model call from its FULL prompt token IDs; returns its call_id."""
-        completion = np.ascontiguousarray(completion_ids, dtype=_U32)
-        lps = np.ascontiguousarray(logprobs, dtype=_F32)
+        """Record a model call from its FULL prompt token IDs; returns its call_id. Token ids
+        must be integers in [0, TOKEN_ID_MAX] and ``policy_version`` in [0, POLICY_VERSION_MAX]
+        (RecorderUsageError naming the argument otherwise: numpy and the Avro writer would wrap
+        them)."""
+        completion = completion_ids
+        if not (isinstance(completion, np.ndarray) and completion.dtype == _U32):
+            completion = np.asarray(completion_ids)
+            _bounded("completion_ids", token_ids_problem(completion))
+            completion = np.ascontiguousarray(completion, dtype=_U32)
+        elif not completion.flags.c_contiguous:
+            completion = np.ascontiguousarray(completion)
+        try:
+            lps = np.ascontiguousarray(logprobs, dtype=_F32)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise RecorderUsageError(f"logprobs must be numbers: {exc}") from exc
         if completion.ndim != 1 or lps.shape != completion.shape:
             raise RecorderUsageError(
                 f"logprobs {lps.shape} must match completion_ids {completion.shape}, one per token"
@@ -397,6 +456,9 @@ class RolloutHandle:
                 f"{type(drift_tokens).__name__}, {type(policy_version).__name__}, "
                 f"{type(usage).__name__}"
             )
+        if policy_version is not None:
+            _bounded("policy_version", policy_version_problem(policy_version))
+        _count("drift_tokens", drift_tokens)
         event_id = None
         if not call_id:  # a call id the SDK makes is also its event's id (one fresh ULID)
             call_id = event_id = _ulid()
@@ -438,7 +500,10 @@ class RolloutHandle:
     ) -> str:
         """Record a tool call (the result is cut to ``max_tool_result_chars``); returns its id."""
         if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False, default=str)
+            try:
+                arguments = json.dumps(arguments, ensure_ascii=False, default=str)
+            except (ValueError, RecursionError) as exc:  # a cycle, or nested past the stack
+                raise RecorderUsageError(f"arguments cannot be written as JSON: {exc}") from exc
         limit = self.recorder.settings.max_tool_result_chars
         result = str(result)
         truncated = len(result) > limit
@@ -470,7 +535,11 @@ class RolloutHandle:
         at_call_id: str | None = None,
         evaluator: str = "",
     ) -> str:
-        """Record a reward (final, partial, milestone or penalty); returns the event id."""
+        """Record a reward (final, partial, milestone or penalty); returns the event id.
+        ``value`` must be a finite number in [-REWARD_BOUND, REWARD_BOUND] (1e6): any other
+        raises RecorderUsageError (a ValueError) naming ``value`` here, in the harness, rather
+        than being dead-lettered as ``bad_reward`` by the stream processors later."""
+        _bounded("value", reward_problem(value))
         body = Reward(float(value), _enum(RewardKind, kind), name, at_call_id, evaluator)
         with self._lock:
             self._check_open("reward")
