@@ -18,7 +18,6 @@ names the field as ``events[i].field``):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -40,6 +39,8 @@ MAX_ID: Final = 256  # job_id, worker, sandbox_id, kind, evaluator
 MAX_REASON: Final = 2_000
 MAX_OUTPUT: Final = 8_192
 STAGE_STATUSES: Final = ("ok", "failed", "timeout")
+
+MAX_DURATION_MS: Final = 7 * 24 * 3600 * 1000  # a duration over a week is a client bug
 
 
 class _Item:
@@ -74,8 +75,8 @@ class _Item:
         value = self.data.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(key, "must be a number")
-        if not math.isfinite(value) or value < 0:
-            raise self.fail(key, "must be a finite number >= 0")
+        if not 0 <= value <= MAX_DURATION_MS:  # NaN and inf fail too; a huge int cannot overflow
+            raise self.fail(key, f"must be a finite number in 0..{MAX_DURATION_MS}")
         return float(value)
 
     def count(self, key: str) -> int:

@@ -53,6 +53,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from rollstream.producers.errors import ApiError
+from rollstream.schemas.events import policy_version_problem
 
 __all__ = [
     "MODEL_OPERATIONS",
@@ -381,7 +382,7 @@ def _model_call(
         input_tokens=_int(attrs.get("gen_ai.usage.input_tokens")),
         output_tokens=_int(attrs.get("gen_ai.usage.output_tokens")),
         cached_tokens=_int(attrs.get("gen_ai.usage.cache_read.input_tokens")),
-        policy_version=version if isinstance(version, int) and version >= 0 else None,
+        policy_version=version if policy_version_problem(version) is None else None,
         input_messages=_messages(span, attrs, "gen_ai.input.messages", limits),
         output_messages=_messages(span, attrs, "gen_ai.output.messages", limits),
         error=_error(span, attrs, limits),

@@ -174,3 +174,12 @@ def test_chat_render_of_prompt_ids_is_bounded_before_numpy() -> None:
     with pytest.raises(OverflowError):
         np.asarray([2**64 - 1], dtype=np.int64)
     assert api_error(parse_text_request, {"prompt": [2**64 - 1]}).param == "prompt"
+
+
+def test_lifecycle_duration_refuses_huge_and_non_finite_numbers() -> None:
+    from rollstream.producers.proxy.lifecycle import MAX_DURATION_MS, _Item
+
+    for bad in (10**400, float("inf"), float("nan"), -1, MAX_DURATION_MS + 1):
+        with pytest.raises(ApiError, match="duration_ms"):
+            _Item({"duration_ms": bad}, "events[0]", {"duration_ms"}).duration()
+    assert _Item({"duration_ms": 12}, "events[0]", {"duration_ms"}).duration() == 12.0
