@@ -173,6 +173,19 @@ def cmd_replay(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
+def cmd_retrain(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.consumers.training.retrain_plan import RetrainError
+    from rollstream.infra.retrain import run, show
+
+    try:
+        result = run(settings)
+    except RetrainError as exc:  # a refused --set, a missing checkpoint: say why, exit 2
+        _say(f"error: retrain: {exc}")
+        return 2
+    show(result, _console(stderr=False))
+    return 0
+
+
 def cmd_run_job(args: argparse.Namespace, settings: Any) -> int:
     from rich.table import Table
 
@@ -349,6 +362,16 @@ _BROKER = (
         type=int,
     ),
 )
+_CLUSTER = (
+    *_BROKER,
+    flag(
+        "--brokers",
+        help="a local KRaft cluster of N nodes (topics replicated 3 times)",
+        setting="kafka_brokers",
+        type=int,
+        metavar="N",
+    ),
+)
 _STACK = "rollstream.infra.stack:StackSettings"
 _MODEL = "rollstream.inference.settings:ModelServerSettings"
 
@@ -385,7 +408,7 @@ _COMMANDS = (
         "start the local Kafka broker (KRaft) and create the topics",
         _STACK,
         "cli",
-        _BROKER,
+        _CLUSTER,
         cmd_up,
     ),
     Command(
@@ -393,7 +416,7 @@ _COMMANDS = (
         "stop the local Kafka broker (its data stays under --home)",
         _STACK,
         "cli",
-        _BROKER,
+        _CLUSTER,
         cmd_down,
     ),
     Command(
@@ -401,7 +424,7 @@ _COMMANDS = (
         "show the broker, its topics and their message counts",
         _STACK,
         "cli",
-        _BROKER,
+        _CLUSTER,
         cmd_status,
     ),
     Command(
@@ -702,6 +725,88 @@ _COMMANDS = (
             ),
         ),
         cmd_replay,
+    ),
+    Command(
+        "retrain",
+        "retrain a run in another namespace with changed processor / trainer settings, and "
+        "compare it with the original",
+        "rollstream.infra.retrain:RetrainSettings",
+        "train",
+        (
+            flag("--run", help="the run id to retrain", setting="retrain_run", required=True),
+            flag("--to", help="target namespace", setting="replay_to", required=True, metavar="NS"),
+            flag(
+                "--from-version",
+                help="start from this policy version of the run (0: its initial model)",
+                setting="retrain_from_version",
+                type=int,
+                metavar="V",
+            ),
+            _each(
+                "--set",
+                help="change a processor or trainer setting, e.g. scorer=NAME, lr=3e-5, "
+                "max_staleness=2, adv_normalize_std=false",
+                setting="retrain_sets",
+                metavar="KEY=VALUE",
+            ),
+            flag("--source", help="where the events come from", setting="replay_source"),
+            flag(
+                "--since",
+                help="rollouts started at or after this ISO time",
+                setting="replay_since",
+                metavar="TIME",
+            ),
+            flag(
+                "--until",
+                help="rollouts started before this ISO time",
+                setting="replay_until",
+                metavar="TIME",
+            ),
+            _each("--task", help="rollouts of this task", setting="replay_task_ids"),
+            _each("--group", help="rollouts of this GRPO group", setting="replay_group_ids"),
+            _each(
+                "--policy-version",
+                help="rollouts started under this policy version",
+                setting="replay_policy_versions",
+                type=int,
+                metavar="N",
+            ),
+            flag(
+                "--checkpoints",
+                help="the run's checkpoint root (unset: <home>/<namespace>/checkpoints)",
+                setting="retrain_source_checkpoints",
+                metavar="DIR",
+            ),
+            flag(
+                "--dry-run",
+                help="no training, nothing written: how the new processor settings change the "
+                "samples",
+                setting="retrain_dry_run",
+                action="store_true",
+                default=None,
+            ),
+            flag(
+                "--rebuild",
+                help="rebuild samples (batch path) even when no processor setting changed",
+                setting="retrain_rebuild",
+                action="store_true",
+                default=None,
+            ),
+            flag(
+                "--max-steps",
+                help="stop at this step (unset: the run's last)",
+                setting="retrain_max_steps",
+                type=int,
+                metavar="N",
+            ),
+            flag(
+                "--plot",
+                help="write the comparison as a PNG",
+                setting="retrain_plot",
+                metavar="FILE",
+            ),
+        ),
+        cmd_retrain,
     ),
 )
 COMMANDS: dict[str, Command] = {c.name: c for c in _COMMANDS}

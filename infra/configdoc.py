@@ -43,6 +43,7 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
     ),
     ("reports (`report`)", "rollstream.consumers.analytics.report_cli", "ReportSettings"),
     ("replay (`replay`)", "rollstream.consumers.analytics.replay", "ReplaySettings"),
+    ("retrain (`retrain`)", "rollstream.infra.retrain", "RetrainSettings"),
     (
         "rollout jobs (`run-job`, `workers`)",
         "rollstream.producers.rollouts.settings",

@@ -12,7 +12,9 @@ keys them, placed by Kafka's default partitioner: murmur2) with an idempotent pr
 acks=all; the job returns once every record is acknowledged. The target's settings decide the
 processing (``builder_config()``, ``group_config()``), as they would for ``rollstream process``
 there; the route of a group is that of the target's trajectories topic. Running it again
-writes the same records again (same ids: consumers deduplicate).
+writes the same records again (same ids: consumers deduplicate). The source and the target
+namespaces differ, except with ``in_place=True``: a namespace's own events (replayed into it,
+as ``rollstream retrain`` does) processed into its own topics, as a processor there would.
 
     ProcessorError                   root of the processor shell (streams/errors.py)
     ├── TopicMissingError            the source events topic does not exist
@@ -130,12 +132,14 @@ def run_batch(
     *,
     linger_ms: float = 20.0,
     timeout_s: float = 120.0,
+    in_place: bool = False,
 ) -> dict[str, Any]:
     """Read ``source``'s events to the end seen now, process them as one finished run with
     ``target``'s processor settings, write the outputs to ``target``'s topics. Returns counts
-    (the batch path's, and records written per topic) and timings."""
+    (the batch path's, and records written per topic) and timings. ``in_place``: the source
+    may be the target namespace (its events replayed there, no processor running on it)."""
     target_ns = target.namespace.strip(".")
-    if not target_ns or target_ns == source.namespace.strip("."):
+    if not target_ns or (target_ns == source.namespace.strip(".") and not in_place):
         raise BatchJobError("the target namespace must be set and differ from the source")
     started, cpu0 = time.monotonic(), time.process_time()
     ensure_topics(target)

@@ -10,7 +10,8 @@ Layout of a checkpoint root (``TrainerSettings.checkpoint_dir``)::
         meta.json                   step, policy version, offsets, counters, metrics, manifest
         trained_ids.npy             the trainer's window of recently trained sample ids
                                     (batching.TrainedIds keys, uint64, oldest first)
-    manifests/step-00000012.json    the (partition, offset) records step 12 trained / dropped
+    manifests/step-00000012.json    the (partition, offset) records step 12 trained / dropped,
+                                    and the sample ids it trained, in the order it trained them
     .tmp-step-00000013-k2j4/        a write in progress, or left by a crash
 
 ``CheckpointStore.save`` commits in this order:
@@ -27,6 +28,15 @@ their union is the set of records the committed model has seen (``manifests``).
 The model dir is a plain transformers checkpoint (``AutoModelForCausalLM.from_pretrained`` and
 the reference server's ``/v1/load_weights`` read it; so does vLLM when the tokenizer files of
 the base model are copied in, which ``save`` does with ``copy_from``).
+
+``trainer.pt`` holds tensors, plain Python values and the RNG states (numpy's as a tensor), so
+it is read with ``torch.load(weights_only=True)``: loading a checkpoint runs no pickled code.
+Files written before numpy's state was stored as a tensor are read with numpy's array
+reconstruction allowed, and nothing else.
+
+Reading without a store (``read_checkpoint``, ``read_manifests``) opens nothing for writing: a
+retrain reads another run's checkpoints this way (opening a ``CheckpointStore`` recovers, and so
+may delete, what an interrupted save left).
 
 Errors: ``CheckpointError`` (rollstream.consumers.errors): a root that is not a consistent
 store, a checkpoint that does not fit the model.
@@ -60,7 +70,10 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointStore",
     "Manifest",
+    "load_trainer_state",
     "load_weights",
+    "read_checkpoint",
+    "read_manifests",
     "rng_state",
     "set_rng_state",
 ]
@@ -78,14 +91,22 @@ _WRITTEN_BY_SAVE = {"config.json", "generation_config.json", "rollstream.json"}
 class Manifest:
     """The records one step covered, as (partition, offset) pairs of ``topic``: ``trained``
     went into the gradient, ``stale`` were dropped by the staleness filter, ``dlq`` were sent to
-    the dead-letter topic, ``duplicate`` carried a sample_id trained before (dropped).
-    Together they are every record between two checkpoints' offsets."""
+    the dead-letter topic, ``duplicate`` carried a sample_id trained before (dropped),
+    ``skipped`` were in no step of the manifests a trainer followed (``train_follow``).
+    Together they are every record between two checkpoints' offsets (a following trainer's
+    offsets stop before the records it still holds for a later step).
+
+    ``trained_ids``: the sample ids of ``trained``, in the order the step put them into its
+    batch. Coordinates belong to one topic; ids are the same in any namespace the samples are
+    rebuilt in, so a retrain follows a step by its ids (empty in manifests written before)."""
 
     topic: str
     trained: list[tuple[int, int]] = field(default_factory=list)
     stale: list[tuple[int, int]] = field(default_factory=list)
     dlq: list[tuple[int, int]] = field(default_factory=list)
     duplicate: list[tuple[int, int]] = field(default_factory=list)
+    trained_ids: list[str] = field(default_factory=list)
+    skipped: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +115,8 @@ class Manifest:
             "stale": [list(x) for x in self.stale],
             "dlq": [list(x) for x in self.dlq],
             "duplicate": [list(x) for x in self.duplicate],
+            "trained_ids": list(self.trained_ids),
+            "skipped": [list(x) for x in self.skipped],
         }
 
     @classmethod
@@ -107,6 +130,8 @@ class Manifest:
             pairs("stale"),
             pairs("dlq"),
             pairs("duplicate"),
+            [str(x) for x in data.get("trained_ids", [])],
+            pairs("skipped"),
         )
 
 
@@ -125,6 +150,8 @@ class CheckpointMeta:
     manifest: Manifest | None = None
     base_model: str = ""
     ts: int = 0  # microseconds since the epoch
+    # the trainer settings that decide what a step computes (TrainerSettings.train_config())
+    train_config: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -149,6 +176,7 @@ class CheckpointMeta:
             manifest=None if manifest is None else Manifest.from_json(manifest),
             base_model=str(data.get("base_model", "")),
             ts=int(data.get("ts", 0)),
+            train_config=dict(data.get("train_config", {})),
         )
 
 
@@ -212,10 +240,18 @@ def _step_name(step: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from: python, numpy, torch CPU and CUDA."""
+    """Every RNG a training step may draw from: python, numpy, torch CPU and CUDA. Numpy's
+    MT19937 keys are stored as an int64 tensor, so the state loads with ``weights_only``."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (
+            str(kind),
+            torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -225,7 +261,10 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -267,6 +306,58 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatch
         raise CheckpointError(f"weights in {model_dir} do not fit the model: {exc}") from exc
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer.pt`` (optimizer and RNG state) with ``weights_only=True``. A file whose numpy
+    RNG state is an array (written before it was stored as a tensor) is read with numpy's
+    array reconstruction allowed, and nothing more."""
+    import pickle
+
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        return state
+    except pickle.UnpicklingError:
+        pass
+    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 / 1
+    allowed: list[Any] = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("<u4"))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path} holds objects a weights-only load refuses: {exc}") from exc
+    return state
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """The committed checkpoint in step dir ``path``, read only (no store opened)."""
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+    try:
+        meta = CheckpointMeta.from_json(json.loads(meta_file.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{meta_file} is not valid checkpoint metadata: {exc}") from exc
+    return Checkpoint(path, meta)
+
+
+def read_manifests(root: Path) -> list[tuple[int, Manifest]]:
+    """(step, manifest) of every step manifest under ``root/manifests``, ascending by step,
+    read only. On a store another process may be writing, call it after ``latest`` was read
+    and ignore steps past it (``CheckpointStore.manifests`` on an opened store has none)."""
+    out: list[tuple[int, Manifest]] = []
+    folder = Path(root) / "manifests"
+    if not folder.is_dir():
+        return out
+    for f in folder.glob("step-*.json"):
+        m = _STEP_DIR.match(f.stem)
+        if m:
+            try:
+                manifest = Manifest.from_json(json.loads(f.read_text()))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{f} is not a valid manifest: {exc}") from exc
+            out.append((int(m.group(1)), manifest))
+    return sorted(out, key=lambda x: x[0])
 
 
 # ---- the store --------------------------------------------------------------------------------
@@ -313,23 +404,11 @@ class CheckpointStore:
         return self.load(self.root / name)
 
     def load(self, path: Path) -> Checkpoint:
-        meta_file = path / "meta.json"
-        if not meta_file.is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
-        try:
-            meta = CheckpointMeta.from_json(json.loads(meta_file.read_text()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{meta_file} is not valid checkpoint metadata: {exc}") from exc
-        return Checkpoint(path, meta)
+        return read_checkpoint(path)
 
     def manifests(self) -> list[tuple[int, Manifest]]:
         """(step, manifest) of every committed step still on record, ascending by step."""
-        out = []
-        for f in (self.root / "manifests").glob("step-*.json"):
-            m = _STEP_DIR.match(f.stem)
-            if m:
-                out.append((int(m.group(1)), Manifest.from_json(json.loads(f.read_text()))))
-        return sorted(out, key=lambda x: x[0])
+        return read_manifests(self.root)
 
     # -- recovery
 
@@ -446,7 +525,7 @@ class CheckpointStore:
     ) -> CheckpointMeta:
         """Load the checkpoint's weights (and optimizer and RNG state) in place."""
         load_weights(model, checkpoint.model_dir)
-        state = torch.load(checkpoint.path / "trainer.pt", map_location="cpu", weights_only=False)
+        state = load_trainer_state(checkpoint.path / "trainer.pt")
         if optimizer is not None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
         if restore_rng:

@@ -1,12 +1,14 @@
 """Settings of the trainer (``rollstream train``): ``ROLLSTREAM_TRAIN_*``, the model and
 checkpoint paths, plus the common ones. The debug pause (``train_debug_pause``) is described in
-trainer.py.
+trainer.py; so is ``train_follow`` (training by another run's step manifests, as a retrain does).
+``train_config()`` is what a checkpoint records of these: the settings that decide what a step
+computes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -15,10 +17,28 @@ from rollstream.consumers.errors import TrainerError
 from rollstream.consumers.training.ppo import LossConfig, Normalization
 from rollstream.schemas import CommonSettings
 
-__all__ = ["DEBUG_STAGES", "TRAINER_GROUP", "TrainerSettings"]
+__all__ = ["DEBUG_STAGES", "TRAINER_GROUP", "TRAIN_CONFIG_FIELDS", "TrainerSettings"]
 
 TRAINER_GROUP = "rollstream-trainer-v1"
 DEBUG_STAGES = ("optimizer", "checkpoint", "committed", "published")
+# the settings that decide what a step computes: recorded in every checkpoint (train_config)
+TRAIN_CONFIG_FIELDS = (
+    "train_lr",
+    "train_weight_decay",
+    "train_max_grad_norm",
+    "train_token_budget",
+    "train_batch_samples",
+    "train_max_staleness",
+    "train_dedup_window",
+    "train_clip_low",
+    "train_clip_high",
+    "train_dual_clip",
+    "train_normalization",
+    "train_seed",
+    "train_torch_threads",
+    "train_attn_implementation",
+    "train_device",
+)
 
 
 class TrainerSettings(CommonSettings):
@@ -64,6 +84,8 @@ class TrainerSettings(CommonSettings):
     train_publish_timeout_s: float = 30.0
     train_debug_pause: str | None = None  # "STAGE:STEP", see the module docstring
     train_debug_pause_s: float = 3600.0
+    # step k trains exactly the samples step k of another run trained, in order (retrain)
+    train_follow: Path | None = None  # that run's checkpoint root, whose manifests are followed
 
     def resolved_model_path(self) -> Path:
         return self.model_path if self.model_path is not None else self.home / "models" / "tiny"
@@ -78,6 +100,10 @@ class TrainerSettings(CommonSettings):
             self.train_normalization,
             self.train_dual_clip,
         )
+
+    def train_config(self) -> dict[str, Any]:
+        """The settings that decide what a step computes (recorded in each checkpoint)."""
+        return {name: getattr(self, name) for name in TRAIN_CONFIG_FIELDS}
 
     def debug_pause(self) -> tuple[str, int] | None:
         if not self.train_debug_pause:

@@ -30,6 +30,15 @@ are committed with each checkpoint (``trained_ids.npy``); a sample found there o
 open batch is dropped before the batcher, counted (``duplicates_dropped``, ``duplicates_step``)
 and listed in the manifest (``duplicate``). Stale-dropped samples do not enter the window.
 
+Following another run (``train_follow``: a checkpoint root, read only; what ``rollstream
+retrain`` sets). Step k trains exactly the samples that run's step k trained, by sample_id, in
+the order of its manifest, whatever order they arrive in: records are held until the next
+step's samples are all there (``retrain_plan.ManifestFollower``); the batcher, its token budget
+and the staleness filter are not used (the followed run applied them). Samples no step to come
+names are covered as ``skipped``; duplicates and dead letters as usual. The checkpoint offsets
+stop before the first record still held, so a restart reads held records again (trained ones
+are then duplicates). The trainer stops after the followed run's last step.
+
 Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the trainer write
 ``<checkpoint_dir>/debug-paused.json`` and sleep ``train_debug_pause_s`` at STAGE of step STEP:
 ``optimizer`` (weights updated in memory, nothing written), ``checkpoint`` (checkpoint written
@@ -51,6 +60,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,8 +80,10 @@ from rollstream.consumers.training.checkpoint import (
     CheckpointMeta,
     CheckpointStore,
     Manifest,
+    read_manifests,
 )
 from rollstream.consumers.training.dataset import Polled, SampleSource, close_producer
+from rollstream.consumers.training.retrain_plan import ManifestFollower
 from rollstream.consumers.training.settings import DEBUG_STAGES, TRAINER_GROUP, TrainerSettings
 from rollstream.consumers.training.step import build_optimizer, load_policy, train_step
 from rollstream.schemas import CommonSettings, DecodeError, PolicyVersion
@@ -121,6 +133,7 @@ class _Window:
     stale: list[Polled] = field(default_factory=list)
     dlq: list[Polled] = field(default_factory=list)
     duplicates: list[Polled] = field(default_factory=list)
+    skipped: list[Polled] = field(default_factory=list)  # following: in no step to come
 
 
 def _coords(entries: list[Polled]) -> list[tuple[int, int]]:
@@ -130,8 +143,15 @@ def _coords(entries: list[Polled]) -> list[tuple[int, int]]:
 class Trainer:
     """One trainer process: model, optimizer, checkpoint store, sample source, producer."""
 
-    def __init__(self, settings: TrainerSettings) -> None:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        on_step: Callable[[CheckpointMeta], None] | None = None,
+    ) -> None:
+        """``on_step(meta)`` runs after each committed and published step (progress)."""
         self.settings = s = settings
+        self.on_step = on_step
         self.pause_at = s.debug_pause()
         if s.train_torch_threads:
             torch.set_num_threads(s.train_torch_threads)
@@ -164,6 +184,12 @@ class Trainer:
             self.trained_ids = TrainedIds(s.train_dedup_window, self.store.trained_ids(self.latest))
             self.resumed_from = meta.step
             log.info("resumed from %s (step %d)", self.latest.path, meta.step)
+        self.follower: ManifestFollower[Polled] | None = None
+        if s.train_follow is not None:
+            steps = {k: m.trained_ids for k, m in read_manifests(s.train_follow)}
+            self.follower = ManifestFollower(steps, after=self.step)
+            log.info("following %s: steps %d..%d", s.train_follow, self.step + 1,
+                     self.follower.last_step)  # fmt: skip
         self.source = SampleSource(
             s,
             group_id=self.topics.name(s.train_group_id),  # namespaced, like the topics
@@ -192,6 +218,9 @@ class Trainer:
         self.pending: list[Polled] = []  # records of the open batch, in arrival order
         self.pending_ids: set[str] = set()  # sample ids the open batch's batcher holds
         self.window = _Window(StalenessFilter(self.settings.train_max_staleness))
+        self.followed: list[tuple[Polled, bool]] = []  # following: (record, held) since commit
+        if self.follower is not None:
+            self.follower.reset(self.step)
         self.generation = self.source.generation
         for partition, offset in self.source.assignment.items():
             if offset >= 0:  # a resolved start (train_start=latest): later checkpoints keep it
@@ -203,7 +232,8 @@ class Trainer:
 
     def _done(self) -> bool:
         max_steps = self.settings.train_max_steps
-        return self._stop or (max_steps is not None and self.step >= max_steps)
+        followed_all = self.follower is not None and self.follower.finished
+        return self._stop or followed_all or (max_steps is not None and self.step >= max_steps)
 
     def run(self) -> TrainResult:
         s = self.settings
@@ -234,6 +264,10 @@ class Trainer:
                 and self.source.assignment
                 and idle >= s.train_exit_idle_s
             ):
+                if self.follower is not None and not self.follower.finished:
+                    missing = self.follower.missing()
+                    log.warning("idle at step %d: step %d waits for %d samples (%s)", self.step,
+                                self.step + 1, len(missing), ", ".join(missing[:5]))  # fmt: skip
                 break
         return TrainResult(
             step=self.step,
@@ -254,6 +288,9 @@ class Trainer:
         return covered
 
     def _intake(self, rec: Polled) -> None:
+        if self.follower is not None:
+            self._follow(rec, self.follower)
+            return
         sample = rec.sample
         duplicate = sample is not None and (
             sample.sample_id in self.pending_ids or sample.sample_id in self.trained_ids
@@ -275,6 +312,41 @@ class Trainer:
                 self._close_batch(self._take_pending())
             self.pending_ids.add(sample.sample_id)
         self.pending.append(rec)
+
+    def _follow(self, rec: Polled, follower: ManifestFollower[Polled]) -> None:
+        """Hold a record a step to come trains; train the next step once it is complete."""
+        sample = rec.sample
+        held = (
+            sample is not None
+            and sample.sample_id not in self.trained_ids
+            and follower.add(sample.sample_id, rec)
+        )
+        self.followed.append((rec, held))
+        while not self._done() and (kept := follower.ready()) is not None:
+            self._train_followed(kept, follower)  # the steps after it may be complete too
+
+    def _train_followed(self, kept: list[Polled], follower: ManifestFollower[Polled]) -> None:
+        """Train a followed step: cover every record since the last step but those held."""
+        trained = {id(e) for e in kept}
+        kept_ids = {e.sample.sample_id for e in kept if e.sample is not None}
+        covered: list[Polled] = []
+        left: list[tuple[Polled, bool]] = []
+        for e, was_held in self.followed:
+            if id(e) in trained:
+                covered.append(e)
+            elif was_held:  # held for a later step: stays, and bounds the offsets
+                left.append((e, was_held))
+            else:
+                covered.append(e)
+                sid = None if e.sample is None else e.sample.sample_id
+                if sid is None:
+                    self.window.dlq.append(e)
+                elif sid in self.trained_ids or sid in kept_ids or sid in follower.held:
+                    self.window.duplicates.append(e)  # a copy of a trained or held sample
+                else:
+                    self.window.skipped.append(e)  # no step to come trains it
+        self.followed = left
+        self._train(kept, covered)
 
     def _close_batch(self, covered: list[Polled]) -> None:
         """Drop duplicates (the intake's decision, made again), filter the rest by staleness,
@@ -316,8 +388,11 @@ class Trainer:
         """The checkpoint metadata of a step: offsets past every covered record, counters."""
         window = self.window
         offsets = dict(self.offsets)
-        for e in window.stale + window.dlq + window.duplicates + covered:
+        for e in window.stale + window.dlq + window.duplicates + window.skipped + covered:
             offsets[e.partition] = max(offsets.get(e.partition, 0), e.offset + 1)
+        for e, _ in self.followed:  # following: records held for a later step are read again
+            if e.partition in offsets:
+                offsets[e.partition] = min(offsets[e.partition], e.offset)
         samples = [e.sample for e in kept if e.sample is not None]
         tokens = sum(len(x.input_ids) for x in samples)
         counters = dict(self.counters)
@@ -325,6 +400,8 @@ class Trainer:
         counters["stale_tokens"] += window.filter.dropped_tokens
         counters["dlq"] += len(window.dlq)
         counters["duplicates_dropped"] += len(window.duplicates)
+        if window.skipped:
+            counters["follow_skipped"] = counters.get("follow_skipped", 0.0) + len(window.skipped)
         counters["skipped_steps"] = counters.get("skipped_steps", 0.0) + metrics["skipped"]
         counters["max_staleness_seen"] = max(
             counters.get("max_staleness_seen", 0.0), float(window.filter.max_seen_staleness)
@@ -349,9 +426,13 @@ class Trainer:
             counters=counters,
             metrics=metrics,
             manifest=Manifest(
-                topic, *map(_coords, (kept, window.stale, window.dlq, window.duplicates))
+                topic,
+                *map(_coords, (kept, window.stale, window.dlq, window.duplicates)),
+                trained_ids=[x.sample_id for x in samples],
+                skipped=_coords(window.skipped),
             ),
             base_model=str(self.settings.resolved_model_path()),
+            train_config=self.settings.train_config(),
         )
 
     def _commit(self, meta: CheckpointMeta, sample_ids: list[str]) -> None:
@@ -382,6 +463,8 @@ class Trainer:
         self._debug_pause("published", step)
         if s.train_commit_offsets:
             self.source.commit(self.offsets)
+        if self.on_step is not None:
+            self.on_step(meta)
         m = meta.metrics
         log.info("step %d: %d samples, %d tokens, loss %.4f, %.3fs", step, m["batch_samples"],
                  m["batch_tokens"], m["loss"], m["step_time_s"])  # fmt: skip
@@ -490,9 +573,12 @@ def last_published_version(settings: CommonSettings, timeout: float = 10.0) -> i
         consumer.close()
 
 
-def run(settings: TrainerSettings) -> TrainResult:
-    """Train until ``train_max_steps``, ``train_exit_idle_s`` of idleness, or ``stop()``."""
-    with Trainer(settings) as trainer:
+def run(
+    settings: TrainerSettings, *, on_step: Callable[[CheckpointMeta], None] | None = None
+) -> TrainResult:
+    """Train until ``train_max_steps``, ``train_exit_idle_s`` of idleness, the followed run's
+    last step (``train_follow``), or ``stop()``. ``on_step(meta)`` runs after each step."""
+    with Trainer(settings, on_step=on_step) as trainer:
         return trainer.run()
 
 

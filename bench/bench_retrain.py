@@ -1,0 +1,254 @@
+"""``rollstream retrain``: its wall time against the original run's training time, and the replay
+-> samples throughput of the batch path it takes against the faust processor's.
+
+1. A run: --rollouts rollouts of one run id (groups of 4, rewards 0 / 1, two LlmCalls of 48 + 16
+   and 16 + 16 tokens the tiny model knows, then a Reward and RolloutFinished), produced into a
+   namespace; its samples made by the batch path there; the trainer over them (the tiny Qwen2,
+   hidden 64, 2 layers; --batch-samples per step, one torch thread): ``original_train_s``
+   (``TrainResult.wall_s``: group join, the steps, the idle wait that ends it) and
+   ``original_step_s`` (the sum of the steps' ``step_time_s``).
+2. ``retrain`` of that run with unchanged settings from version 0, samples rebuilt (--rebuild):
+   the wall time and each stage's (events replayed, samples built by the batch path, training
+   by manifest); ``bit_equal``: the last checkpoint equal tensor for tensor to the original's.
+3. Unless --quick (or with --faust): the run's events replayed into a fresh namespace and
+   ``rollstream process`` (the faust worker) over them: samples/s from its first sample to its
+   last, and from its start to its last sample, beside the batch stage's events/s.
+
+    .venv/bin/python bench/bench_retrain.py [--quick] [--faust] [--bootstrap HOST:PORT]
+
+Starts its own Kafka broker unless --bootstrap. Progress on stderr; the last stdout line is one
+JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from confluent_kafka import Consumer, Producer, TopicPartition
+from safetensors.torch import load_file
+
+from rollstream.adapters.topics import ensure_topics
+from rollstream.consumers.analytics.replay import ReplaySettings
+from rollstream.consumers.analytics.replay import run as replay
+from rollstream.consumers.training.settings import TrainerSettings
+from rollstream.consumers.training.trainer import run as train
+from rollstream.inference.tinymodel import ensure_tiny_model
+from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
+from rollstream.infra.retrain import RetrainSettings
+from rollstream.infra.retrain import run as retrain
+from rollstream.schemas import (
+    Codec,
+    CommonSettings,
+    Event,
+    LlmCall,
+    Reward,
+    RolloutFinished,
+    RolloutStarted,
+)
+from rollstream.streams.batch_job import run_batch
+from rollstream.streams.settings import ProcessorSettings
+
+RUN = "bench-run"
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_events(n: int, now_us: int) -> list[Event]:
+    rng = np.random.default_rng(0)
+    events: list[Event] = []
+    for i in range(n):
+        rid = f"r{i:06d}"
+        p1, c1 = rng.integers(0, 500, 48), rng.integers(0, 500, 16)
+        p2, c2 = rng.integers(0, 500, 16), rng.integers(0, 500, 16)
+        bodies: list[Any] = [
+            RolloutStarted(task_id=f"task-{i // 4}", group_id=f"g{i // 4}", group_size=4,
+                           run_id=RUN),
+            LlmCall(f"{rid}-c0", None, 0, p1, c1, -rng.random(16, dtype=np.float32)),
+            LlmCall(f"{rid}-c1", f"{rid}-c0", 64, p2, c2, -rng.random(16, dtype=np.float32)),
+            Reward(float(i % 2)),
+            RolloutFinished(),
+        ]  # fmt: skip
+        ts = now_us + i * 1000
+        events += [Event(f"{rid}-{s}", rid, s, ts + s, b, "bench") for s, b in enumerate(bodies)]
+    return events
+
+
+def produce(settings: CommonSettings, events: list[Event]) -> None:
+    codec = Codec()
+    producer = Producer({**settings.kafka_config(), "enable.idempotence": True, "acks": "all"})
+    for e in events:
+        producer.produce(settings.topics().events, codec.encode(e), e.rollout_id.encode())
+        producer.poll(0)
+    assert producer.flush(60) == 0
+
+
+def count(settings: CommonSettings, topic: str) -> int:
+    consumer = Consumer({**settings.kafka_config(), "group.id": "bench-count"})
+    try:
+        md = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if md is None:
+            return 0
+        return sum(
+            hi - lo
+            for p in md.partitions
+            for lo, hi in [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)]
+        )
+    finally:
+        consumer.close()
+
+
+def faust_samples(settings: CommonSettings, work: Path, expected: int) -> dict[str, Any]:
+    """``rollstream process`` over ``settings.namespace`` until ``expected`` samples (or 10 s
+    without a new one)."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "ROLLSTREAM_NAMESPACE": settings.namespace,
+        "ROLLSTREAM_HOME": str(work / "proc-home"),
+    }
+    started = time.monotonic()
+    with open(work / "processor.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollstream.infra.cli", "process"], env=env, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        first = last = None
+        seen = 0
+        try:
+            while time.monotonic() - started < 600 and proc.poll() is None and seen < expected:
+                n = count(settings, settings.topics().samples)
+                now = time.monotonic()
+                if n and first is None:
+                    first = now
+                if n > seen:
+                    seen, last = n, now
+                elif first is not None and now - (last or now) > 10:
+                    break
+                time.sleep(0.2)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    out: dict[str, Any] = {"samples": seen}
+    if first is not None and last is not None and last > first:
+        out["samples_per_s_first_to_last"] = round(seen / (last - first))
+    if last is not None:
+        out["start_to_last_sample_s"] = round(last - started, 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--faust", action="store_true", help="also run the faust worker (--quick)")
+    ap.add_argument("--bootstrap", help="use this Kafka instead of starting one")
+    ap.add_argument("--rollouts", type=int)
+    ap.add_argument("--batch-samples", type=int, default=8)
+    args = ap.parse_args()
+    n = args.rollouts or (32 if args.quick else 512)
+    work = Path(tempfile.mkdtemp(prefix="bench-retrain-"))
+    broker = None
+    if args.bootstrap:
+        bootstrap = args.bootstrap
+    else:
+        broker = KafkaBroker(
+            BrokerConfig(data_dir=work / "kafka", port=free_port(), controller_port=free_port()),
+            classpath=resolve_classpath(),
+        )
+        broker.start(timeout=120)
+        bootstrap = broker.bootstrap
+    out: dict[str, Any] = {
+        "bench": "retrain", "quick": args.quick, "machine": platform.machine(),
+        "cpus": os.cpu_count(), "rollouts": n, "batch_samples": args.batch_samples,
+    }  # fmt: skip
+    try:
+        ns = f"rt{uuid.uuid4().hex[:6]}"
+        home = work / "home"
+        source = CommonSettings(kafka_bootstrap=bootstrap, namespace=ns, home=home)
+        ensure_topics(source)
+        events = make_events(n, time.time_ns() // 1000)
+        produce(source, events)
+        out["events"] = len(events)
+        proc = ProcessorSettings(kafka_bootstrap=bootstrap, namespace=ns, home=home)
+        made = run_batch(source, proc, in_place=True)
+        out["samples"] = made["written"]["samples"]
+        say(f"run: {len(events)} events, {out['samples']} samples")
+        model = ensure_tiny_model(work / "models" / "tiny", hidden=64, layers=2)
+        ckpt = home / ns / "checkpoints"
+        result = train(
+            TrainerSettings(
+                kafka_bootstrap=bootstrap, namespace=ns, home=home, model_path=model,
+                checkpoint_dir=ckpt, checkpoint_keep=1, checkpoint_fsync=False,
+                train_batch_samples=args.batch_samples, train_max_staleness=1_000_000,
+                train_torch_threads=1, train_lr=1e-3, train_flush_idle_s=1.0,
+                train_exit_idle_s=1.5, train_poll_timeout_s=0.2,
+            )
+        )  # fmt: skip
+        step_s = 0.0
+        from rollstream.consumers.training.checkpoint import read_checkpoint
+
+        last = read_checkpoint(ckpt / f"step-{result.step:08d}")
+        step_s = float(last.meta.metrics.get("step_time_s", 0.0))
+        out["original"] = {
+            "steps": result.step,
+            "train_s": round(result.wall_s, 2),
+            "last_step_s": round(step_s, 3),
+        }
+        say(f"original: {out['original']}")
+
+        target = f"{ns}r"
+        t0 = time.monotonic()
+        r = retrain(
+            RetrainSettings(
+                kafka_bootstrap=bootstrap, namespace=ns, home=home, replay_to=target,
+                replay_progress=False, retrain_run=RUN, retrain_rebuild=True,
+                retrain_idle_s=1.0,
+            )
+        )  # fmt: skip
+        wall = time.monotonic() - t0
+        a = load_file(str(ckpt / f"step-{result.step:08d}" / "model" / "model.safetensors"))
+        b_dir = home / target / "checkpoints" / f"step-{result.step:08d}" / "model"
+        b = load_file(str(b_dir / "model.safetensors"))
+        out["retrain"] = {
+            "wall_s": round(wall, 2),
+            "stages_s": {k: round(v, 2) for k, v in r.seconds.items()},
+            "steps": r.steps_trained,
+            "follow": r.follow,
+            "bit_equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+            "batch_events_per_s": round(r.events_replayed / r.seconds["samples"]),
+            "batch_samples_per_s": round(r.samples_built / r.seconds["samples"]),
+        }
+        out["retrain_over_original_train"] = round(wall / result.wall_s, 2)
+        say(f"retrain: {out['retrain']}")
+        if args.faust or not args.quick:
+            fns = f"{ns}f"
+            replay(
+                ReplaySettings(kafka_bootstrap=bootstrap, namespace=ns, replay_to=fns,
+                               replay_progress=False)
+            )  # fmt: skip
+            target_settings = CommonSettings(kafka_bootstrap=bootstrap, namespace=fns)
+            out["faust"] = faust_samples(target_settings, work, out["samples"])
+            say(f"faust: {out['faust']}")
+    finally:
+        if broker is not None:
+            broker.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
