@@ -15,6 +15,8 @@ Routes (request and response shapes follow vLLM's OpenAI server; docs/model-serv
     POST /pause?mode=abort|wait|keep   POST /resume   GET /is_paused
     POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": ...}}
     POST /update_weight_version {"new_version": "N"}   GET /weight_info
+  and the probes (docs/metrics.md): GET /metrics (``metrics_key``), /livez, /readyz. Ready:
+  the model is loaded, its scheduler runs, and it is not paused (a weight update).
 
 The rooms: settings.py (ModelServerSettings), engine.py (the model's worker thread and the
 batching scheduler), wire.py (request checks and response bodies), this module (routes).
@@ -37,13 +39,16 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.config import LOGGING_CONFIG
 
+from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.inference import wire
 from rollstream.inference.engine import Engine, Scheduler
 from rollstream.inference.errors import RequestRefused, TinyModelError
 from rollstream.inference.settings import ModelServerSettings
+from rollstream.inference.tinymodel import GenerationResult
 
-__all__ = ["create_app", "run"]
+__all__ = ["ModelMetrics", "create_app", "run"]
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -54,6 +59,54 @@ async def _json(request: Request, limit: int = 64 * 1024) -> dict[str, Any]:
     return wire.parse_json(await request.body(), limit)
 
 
+class ModelMetrics:
+    """The model server's metrics (``rollstream_model_*``) and readiness."""
+
+    def __init__(self, api: _Api) -> None:
+        self.service = m = ServiceMetrics("model")
+        self.requests = m.counter(
+            "requests", "HTTP requests answered, by route and status code", ("route", "code")
+        )
+        self.seconds = m.histogram("request_seconds", "time to answer a request", ("route",))
+        self.generate = m.histogram(
+            "generate_seconds", "one completion: queued, batched and generated"
+        )
+        self.tokens = m.counter("tokens", "prompt and completion tokens", ("kind",))
+        engine = api.engine
+
+        def sched() -> Scheduler:
+            if api.sched is None:
+                raise LookupError("the model is not loaded")
+            return api.sched
+
+        m.gauge_fn("policy_version", "the policy version loaded", lambda: engine.version)
+        m.gauge_fn("queued", "requests waiting for a batch", lambda: len(sched().queue))
+        m.gauge_fn("running", "requests in the batch being generated", lambda: sched().in_batch)
+        m.gauge_fn("paused", "1 while paused (a weight update)", lambda: sched().paused)
+
+        def loaded() -> tuple[bool, str]:
+            ok = api.sched is not None and api.sched.alive()
+            return ok, f"version {engine.version}" if ok else "not loaded"
+
+        def serving() -> tuple[bool, str]:
+            ok = api.sched is not None and not api.sched.paused
+            return ok, "serving" if ok else "paused"
+
+        m.health.watch("model", loaded)
+        m.health.watch("serving", serving)
+
+    async def submit(
+        self, sched: Scheduler, prompt: list[int], params: Any
+    ) -> tuple[GenerationResult, int]:
+        """``sched.submit`` timed and its tokens counted."""
+        started = time.perf_counter()
+        out = await sched.submit(prompt, params)
+        self.generate.observe(time.perf_counter() - started)
+        self.tokens.labels("prompt").inc(len(prompt))
+        self.tokens.labels("completion").inc(len(out[0].token_ids))
+        return out
+
+
 class _Api:
     """The route handlers, over one engine and its scheduler."""
 
@@ -62,6 +115,7 @@ class _Api:
         self.engine = Engine(settings)
         self.sched: Scheduler | None = None
         self.seeds = random.Random(settings.model_seed)  # seeds of requests sent without one
+        self.metrics = ModelMetrics(self)
 
     def live(self) -> Scheduler:
         if self.sched is None or not self.sched.alive():
@@ -79,7 +133,7 @@ class _Api:
             params = wire.sampling(body, engine.max_len, longest, self.seeds.getrandbits(63))
         finally:
             sched.arriving -= 1
-        outs = await asyncio.gather(*(sched.submit(p, params) for p in prompts))
+        outs = await asyncio.gather(*(self.metrics.submit(sched, p, params) for p in prompts))
         return JSONResponse(
             wire.completion_body(body, prompts, params, outs, engine.tokenizer, name)
         )
@@ -97,7 +151,7 @@ class _Api:
             params = wire.sampling(body, engine.max_len, len(prompt), self.seeds.getrandbits(63))
         finally:
             sched.arriving -= 1
-        result, version = await sched.submit(prompt, params)
+        result, version = await self.metrics.submit(sched, prompt, params)
         return JSONResponse(wire.chat_body(prompt, result, version, engine.tokenizer, name))
 
     async def models(self, request: Request) -> Response:
@@ -193,8 +247,10 @@ class _Api:
         return JSONResponse({"weight_version": str(self.engine.version)})
 
 
-def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Any]:
-    async def wrapped(request: Request) -> Response:
+def _guard(
+    handler: Callable[[Request], Awaitable[Response]], route: str, metrics: ModelMetrics
+) -> Callable[[Request], Any]:
+    async def answer(request: Request) -> Response:
         try:
             return await handler(request)
         except RequestRefused as exc:
@@ -203,6 +259,13 @@ def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
             return _error(str(exc), 400)
         except Exception as exc:  # answered as a 500 with the reason, never a dropped socket
             return _error(f"{type(exc).__name__}: {exc}", 500)
+
+    async def wrapped(request: Request) -> Response:
+        started = time.perf_counter()
+        response = await answer(request)
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        metrics.seconds.labels(route).observe(time.perf_counter() - started)
+        return response
 
     return wrapped
 
@@ -224,7 +287,7 @@ def create_app(settings: ModelServerSettings) -> Starlette:
 
     get, post = ["GET"], ["POST"]
     routes = [
-        Route(path, _guard(handler), methods=methods)
+        Route(path, _guard(handler, path, api.metrics), methods=methods)
         for path, handler, methods in [
             ("/v1/completions", api.completions, post),
             ("/v1/chat/completions", api.chat_completions, post),
@@ -241,7 +304,10 @@ def create_app(settings: ModelServerSettings) -> Starlette:
             ("/weight_info", api.weight_info, get),
         ]
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    routes += metrics_routes(api.metrics.service, settings.metrics_key)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.metrics = api.metrics
+    return app
 
 
 def run(settings: ModelServerSettings) -> None:
@@ -251,4 +317,5 @@ def run(settings: ModelServerSettings) -> None:
         host=settings.model_host,
         port=settings.model_port,
         log_level=settings.model_log_level,
+        log_config=None if settings.log_format == "json" else LOGGING_CONFIG,  # json: root's
     )

@@ -16,18 +16,36 @@ There everything from INFO goes, library chatter included; ``-v`` adds rollstrea
 
 ``log_to_file(path)`` adds a file that takes INFO and up from everyone while the console stays
 as it is: ``rollstream demo`` keeps its own HTTP requests (25k lines a run) there.
+
+``ROLLSTREAM_LOG_FORMAT=json`` (``CommonSettings.log_format``) makes the stderr lines JSON, one
+object a line, for log collectors: ``ts`` (UTC, ISO 8601, milliseconds), ``level``, ``logger``,
+``message`` and, with an exception, ``exc`` (the traceback as text).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
 import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO
 
-__all__ = ["CONSOLE_FORMAT", "SERVICE_FORMAT", "levels", "log_to_file", "setup_logging"]
+from pydantic import ValidationError
+
+from rollstream.schemas.settings import CommonSettings
+
+__all__ = [
+    "CONSOLE_FORMAT",
+    "SERVICE_FORMAT",
+    "JsonFormatter",
+    "levels",
+    "log_format",
+    "log_to_file",
+    "setup_logging",
+]
 
 CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
 SERVICE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -43,6 +61,33 @@ def levels(verbosity: int, *, service: bool = False) -> tuple[int, int]:
     ours = (logging.WARNING, logging.INFO)[v] if v < 2 else logging.DEBUG
     libraries = (logging.WARNING, logging.WARNING, logging.INFO)[v] if v < 3 else logging.DEBUG
     return ours, libraries
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ts, level, logger, message, and exc when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        line = {
+            "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def log_format() -> Literal["text", "json"]:
+    """``log_format`` of the environment's settings (ROLLSTREAM_LOG_FORMAT); text when the
+    settings do not validate (the command itself reports that)."""
+    try:
+        return CommonSettings().log_format
+    except ValidationError:
+        return "text"
 
 
 def _is_ours(name: str) -> bool:
@@ -89,16 +134,24 @@ def _root_level(root: logging.Logger) -> int:
 
 
 def setup_logging(
-    verbosity: int = 0, *, service: bool = False, stream: TextIO | None = None
+    verbosity: int = 0,
+    *,
+    service: bool = False,
+    stream: TextIO | None = None,
+    fmt: Literal["text", "json"] | None = None,
 ) -> None:
     """Configure the root logger for one command (see the module docstring). Calling it again
-    replaces what an earlier call installed; other handlers are left alone."""
+    replaces what an earlier call installed; other handlers are left alone. ``fmt`` None: the
+    settings' ``log_format``."""
     root = logging.getLogger()
     for old in [h for h in root.handlers if _ours(h) and not isinstance(h, logging.FileHandler)]:
         root.removeHandler(old)
     handler: logging.Handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler._rollstream = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter(SERVICE_FORMAT if service else CONSOLE_FORMAT))
+    if (fmt or log_format()) == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(SERVICE_FORMAT if service else CONSOLE_FORMAT))
     handler.addFilter(_Threshold(*levels(verbosity, service=service)))
     root.addHandler(handler)
     root.setLevel(_root_level(root))

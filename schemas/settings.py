@@ -9,9 +9,9 @@ environment.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .topics import Topics
@@ -33,6 +33,11 @@ class CommonSettings(BaseSettings):
     schema_registry_url: str | None = None  # Confluent-API registry: 00+id framing; registry extra
     clickhouse_url: str = "chdb://.rollstream/clickhouse"  # chDB path or http(s):// server
     home: Path = Path(".rollstream")  # local state: broker data, models, checkpoints, logs
+    # /metrics, /livez, /readyz of a service that serves no HTTP of its own (docs/metrics.md):
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # None: not served; 0: any
+    metrics_host: str = Field(default="127.0.0.1", min_length=1, max_length=253)  # 0.0.0.0: all
+    metrics_key: SecretStr | None = None  # when set, GET /metrics needs Bearer KEY (probes open)
+    log_format: Literal["text", "json"] = "text"  # json: one object a line (ts, level, logger, ...)
 
     def topics(self) -> Topics:
         return Topics(self.namespace, replication=self.topic_replication)

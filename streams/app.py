@@ -18,6 +18,11 @@ Delivery is at-least-once (faust flushes the producer before it commits offsets)
 comes from deterministic output ids and the write ordering described in books.py, never from
 Kafka transactions. Any unexpected exception stops the worker (a restart recovers the state).
 
+Metrics (``rollstream_processor_*``, docs/metrics.md) on ``metrics_port`` when set: the books'
+counters and open slots read at scrape time, dead letters by stage and code, the offset guard's
+seeks, faust's commit latency and rebalances. Live while the timer ticks; ready once both tables
+are recovered and no rebalance is in progress.
+
     ProcessorError                   root of rollstream.streams (the shell)
     └── TopicMissingError            a source topic does not exist on the broker
 """
@@ -42,7 +47,9 @@ from faust.types import TP
 from mode import CrashingSupervisor
 
 from rollstream.adapters.codecs import build_codec
+from rollstream.adapters.metrics import ServiceMetrics, serve_metrics
 from rollstream.schemas import TopicSpec
+from rollstream.schemas.dlq import HEADER_NAMES
 
 from .aggregation import GroupBook
 from .books import RolloutBook, Route, Sink, Step, Write
@@ -255,7 +262,61 @@ class Processor:
         self._last_stats = time.monotonic()
         self._deferred: set[asyncio.Future[None]] = set()  # writes waiting for acks
         self._frozen = False  # gc.freeze() done (after the first recovery)
+        self.metrics = self._metrics()
         self._wire(events, trajectories)
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    def _metrics(self) -> ServiceMetrics:
+        m = ServiceMetrics("processor")
+        rollouts, groups, guard = self.rollouts, self.groups, self.guard
+        self.dead_letters = m.counter(
+            "dead_letters", "records sent to the dead-letter topic", ("stage", "code")
+        )
+
+        def stat(book: Any, name: str) -> Any:
+            return lambda: book.stats.get(name, 0)
+
+        m.counter_fn(
+            "records",
+            "source records read, by stage (builder: events, aggregator: trajectories)",
+            lambda: {("builder",): rollouts.stats.get("records", 0),
+                     ("aggregator",): groups.stats.get("records", 0)},
+            ("stage",),
+        )  # fmt: skip
+        m.gauge_fn("rollouts_open", "rollouts being rebuilt", lambda: len(rollouts.open))
+        m.counter_fn("rollouts_closed", "trajectories emitted", stat(rollouts, "trajectories"))
+        m.counter_fn("invalid_events", "events refused by the builder", stat(rollouts, "invalid"))
+        m.gauge_fn("groups_open", "groups being gathered", lambda: len(groups.open))
+        m.counter_fn("groups_closed", "groups closed", stat(groups, "groups_closed"))
+        m.counter_fn(
+            "groups_dropped_zero_variance",
+            "groups dropped for equal rewards (DAPO)",
+            stat(groups, "groups_dropped_zero_variance"),
+        )
+        m.counter_fn("samples", "training samples emitted", stat(groups, "samples"))
+        m.counter_fn("offset_seeks", "seeks back over offset holes", lambda: guard.seeks)
+        m.counter_fn("offset_gaps_accepted", "offset gaps accepted", lambda: guard.accepted)
+        monitor: Any = self.app.monitor
+        m.counter_fn("rebalances", "consumer group rebalances (faust)", lambda: monitor.rebalances)
+        m.gauge_fn(
+            "commit_latency_seconds",
+            "mean of faust's recent offset commits",
+            lambda: sum(monitor.commit_latency) / max(1, len(monitor.commit_latency)),
+        )
+
+        def ready() -> tuple[bool, str]:
+            if self.app.rebalancing:
+                return False, "rebalancing"
+            waiting = [name for name, done in self._recovered.items() if not done]
+            return not waiting, f"recovering {','.join(waiting)}" if waiting else "recovered"
+
+        m.health.watch("tables", ready)
+        return m
+
+    def _count_dead_letters(self, stage: str, headers: Any) -> None:
+        code = next((v for k, v in headers if k == HEADER_NAMES[1]), b"")
+        self.dead_letters.labels(stage, code.decode(errors="replace")).inc()
 
     # --- faust wiring -----------------------------------------------------------------------
 
@@ -291,6 +352,7 @@ class Processor:
 
         @app.timer(s.proc_timer_interval_s, name=f"{s.app_id}.timer")
         async def tick() -> None:
+            self.metrics.health.beat()
             await self._guard(self._tick())
 
     async def _guard(self, coro: Any) -> None:
@@ -438,6 +500,9 @@ class Processor:
         send = self.app.producer.send  # the client, not Topic.send: a quarter of the CPU
         for out in step.sends:
             headers = list(out.headers) or None
+            if out.sink is Sink.DLQ:
+                stage = "builder" if table is self.rollouts_table else "aggregator"
+                self._count_dead_letters(stage, out.headers)
             futures.append(
                 await send(self._sinks[out.sink], out.key, out.value, out.partition, None, headers)
             )
@@ -520,8 +585,15 @@ def run(settings: ProcessorSettings) -> int:
     _use_event_loop(settings.proc_event_loop)  # before faust makes its loops
     processor = create_processor(settings)
     ensure_topics(settings, processor.internal_topics)
+    processor.metrics.health.stale_s = max(60.0, 10 * settings.proc_timer_interval_s)
+    metrics_server = serve_metrics(settings, processor.metrics)
     worker = faust.Worker(
-        processor.app, loglevel=settings.proc_log_level, redirect_stdouts=False, quiet=True
+        processor.app,
+        loglevel=settings.proc_log_level,
+        redirect_stdouts=False,
+        quiet=True,
+        # json: faust (mode) keeps the command's handlers instead of its own text ones
+        override_logging=settings.log_format != "json",
     )
     # faust's terminal spinner, kept at log levels >= warning, sets the root logger to DEBUG
     # (it spins on every record): every debug call of aiokafka (one per produced record) then
@@ -532,4 +604,7 @@ def run(settings: ProcessorSettings) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
     return 0

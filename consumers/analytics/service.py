@@ -8,6 +8,9 @@ here, above it.
     run(settings) -> SinkStats      the sink loop (store.sink.run: topics, migrations, consume
                                     until SIGTERM/SIGINT) and, while it runs and
                                     ``analytics_enabled``, the analytics server
+
+The process's metrics are the sink's (``rollstream_sink_*`` on ``metrics_port``, store/sink.py);
+its readiness adds the check ``analytics`` (the server is up).
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ def _analytics(settings: AnalyticsSettings, sink: Sink) -> Iterator[AnalyticsSer
     """The analytics server for as long as the sink loop runs (its counters in /health)."""
     server = serve(settings, stats=sink.stats.as_dict)
     log.info("analytics at %s", server.url)
+    sink.metrics.health.set("analytics", True, "serving")
     try:
         yield server
     finally:
+        sink.metrics.health.set("analytics", False, "stopped")
         server.stop()
 
 

@@ -11,6 +11,10 @@ a run's control is auditable and replayable.
 
 Actuators here: the RUN workers' limits. ``inference_share`` is decided and recorded; on one
 machine nothing moves accelerators, so it acts only through the RUN slots (docs/controller.md).
+
+Metrics (``rollstream_controller_*``, docs/metrics.md) on ``metrics_port`` when set: decisions by
+reason, periods without one, the last decision (run slots, admit, share) and the signals it
+saw. Live while the loop goes round; ready once a decision was published.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from pydantic import Field, SecretStr
 
 from rollstream.adapters.codecs import build_codec
+from rollstream.adapters.metrics import ServiceMetrics, serve_metrics
 from rollstream.adapters.topics import TopicError, admin_client, group_lag, high_watermarks
-from rollstream.consumers.control.policy import Decision, PolicyConfig, decide
+from rollstream.consumers.control.policy import Decision, PolicyConfig, Signals, decide
 from rollstream.consumers.control.signals import SignalBook, to_capacity
 from rollstream.schemas import CommonSettings, DecodeError, PolicyVersion
 from rollstream.schemas.control import DECISION_KEY, decode_report
@@ -84,13 +89,49 @@ class Controller:
             settings.control_samples_per_step,
         )
         self.previous: Decision | None = None
+        self.signals: Signals | None = None  # what the last decision saw
         self.decisions = 0
+        self.metrics = self._metrics()
         self.admin = admin_client(settings)
         base = {**settings.kafka_config(), "enable.auto.commit": False}
         self.reader = Consumer({**base, "group.id": f"rollstream-controller-{uuid.uuid4().hex}"})
         self.offsets = Consumer({**base, "group.id": f"rollstream-controller-{uuid.uuid4().hex}"})
         self.producer = Producer({**settings.kafka_config(), "acks": "all", "linger.ms": 0})
         self._assign()
+
+    def _metrics(self) -> ServiceMetrics:
+        m = ServiceMetrics("controller")
+        self.decided = m.counter("decisions", "decisions published, by reason", ("reason",))
+        self.missed = m.counter("missed_periods", "periods without a decision (broker away)")
+
+        def last(read: Callable[[Decision], float]) -> Callable[[], dict[tuple[str, ...], float]]:
+            return lambda: {} if self.previous is None else {(): read(self.previous)}
+
+        def seen(read: Callable[[Signals], float]) -> Callable[[], dict[tuple[str, ...], float]]:
+            return lambda: {} if self.signals is None else {(): read(self.signals)}
+
+        m.gauge_fn("run_slots", "RUN slots of the last decision", last(lambda d: d.run_slots))
+        m.gauge_fn("admit", "rollouts the last decision let start", last(lambda d: d.admit))
+        m.gauge_fn(
+            "inference_share", "accelerator share for inference", last(lambda d: d.inference_share)
+        )
+        m.gauge_fn(
+            "samples_waiting", "samples the trainer has not read", seen(lambda x: x.samples_waiting)
+        )
+        m.gauge_fn(
+            "rollouts_in_flight", "rollouts admitted, no samples yet",
+            seen(lambda x: x.rollouts_in_flight),
+        )  # fmt: skip
+        m.gauge_fn(
+            "trained_version", "newest policy version published", seen(lambda x: x.trained_version)
+        )
+
+        def decided() -> tuple[bool, str]:
+            d = self.previous
+            return d is not None, "no decision yet" if d is None else d.reason
+
+        m.health.watch("decisions", decided)
+        return m
 
     def _assign(self) -> None:
         """Policy versions from the start (the last few matter); worker reports from the last
@@ -198,8 +239,9 @@ class Controller:
                 signals.trained_version,
                 decision.reason,
             )
-        self.previous = decision
+        self.previous, self.signals = decision, signals
         self.decisions += 1
+        self.decided.labels(decision.reason).inc()
         return decision
 
     def close(self) -> None:
@@ -222,16 +264,23 @@ def run(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     controller = Controller(settings)
+    health = controller.metrics.health
+    health.stale_s = max(60.0, 5 * settings.control_period_s)
+    metrics_server = serve_metrics(settings, controller.metrics)
     try:
         while not stop.is_set():
             t = time.monotonic()
+            health.beat()
             try:
                 decision = controller.tick()
                 if on_tick is not None:
                     on_tick(decision)
             except (KafkaException, TopicError) as exc:
+                controller.missed.inc()
                 log.warning("no decision this period: %s", exc)
             stop.wait(max(settings.control_period_s - (time.monotonic() - t), 0.0))
         return 0
     finally:
         controller.close()
+        if metrics_server is not None:
+            metrics_server.stop()

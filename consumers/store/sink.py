@@ -50,6 +50,11 @@ which nothing is stored; rows still missing go in under a fresh token (verify.py
 A clean stop stores the caught-up partial batches (with intents) and leaves the rest to be read
 again.
 
+Metrics (``rollstream_sink_*``, docs/metrics.md): ``Sink.stats`` read at scrape time (rows by
+table, batches, retries, dead letters, commits) and the consumer lag per topic from the last
+fetch; ``run`` serves them on ``metrics_port`` when set. Live while the loop goes round; ready
+once the loop consumes (``Sink.ready``).
+
 Errors (rollstream.consumers.errors)::
 
     SinkError                   root of the sink loop's errors
@@ -72,6 +77,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from rollstream.adapters.codecs import build_codec
+from rollstream.adapters.metrics import ServiceMetrics, serve_metrics
 from rollstream.consumers.errors import DeadLetterError, InsertRetryError, SinkError
 from rollstream.consumers.store import chstore
 from rollstream.consumers.store.batches import INTENT_PREFIX, BatchCutter, RawBatch, parse_intent
@@ -143,6 +149,46 @@ class Sink:
                 self._pool.close()
                 raise
         self.ready = threading.Event()
+        self.metrics = self._metrics()
+
+    def _metrics(self) -> ServiceMetrics:
+        m, stats = ServiceMetrics("sink"), self.stats
+        m.counter_fn("messages", "messages consumed", lambda: stats.messages)
+        m.counter_fn("batches", "batches inserted", lambda: stats.batches)
+        m.counter_fn(
+            "rows", "rows inserted, by table", lambda: {(t,): n for t, n in stats.rows.items()},
+            ("table",),
+        )  # fmt: skip
+        m.counter_fn("dead_letters", "records sent to the dead letters", lambda: stats.dead_letters)
+        m.counter_fn("insert_retries", "inserts tried again", lambda: stats.insert_retries)
+        m.counter_fn("split_batches", "batches split after a refusal", lambda: stats.split_batches)
+        m.counter_fn("commits", "offset commits", lambda: stats.commits)
+        m.counter_fn("commit_failures", "offset commits refused", lambda: stats.commit_failures)
+        m.counter_fn("intents", "partial batches cut with an intent", lambda: stats.intents)
+        m.counter_fn(
+            "verified_batches", "re-read batches checked against the tables",
+            lambda: stats.verified_batches,
+        )  # fmt: skip
+        m.counter_fn(
+            "dropped_on_revoke", "uncommitted messages dropped at a revoke (read again)",
+            lambda: stats.dropped_on_revoke,
+        )  # fmt: skip
+        m.gauge_fn("consumer_lag", "messages behind the log end, by topic", self._lag, ("topic",))
+        m.health.watch(
+            "consuming", lambda: (self.ready.is_set(), "" if self.ready.is_set() else "starting")
+        )
+        return m
+
+    def _lag(self) -> dict[tuple[str, ...], int]:
+        """Messages between the consumer's position and the high watermark of the last fetch,
+        summed per topic (partitions not fetched yet are left out)."""
+        lag: dict[tuple[str, ...], int] = {}
+        tps = [TopicPartition(t, p) for t, p in list(self._cutters)]
+        for tp in self.consumer.position(tps) if tps else []:
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            if tp.offset >= 0 and high >= 0:
+                lag[(tp.topic,)] = lag.get((tp.topic,), 0) + max(0, high - tp.offset)
+        return lag
 
     # --- rebalance --------------------------------------------------------------------------
 
@@ -194,6 +240,7 @@ class Sink:
         self.ready.set()
         try:
             while not self._stop.is_set():
+                self.metrics.health.beat()
                 writer.check()
                 self._commit_done()
                 msgs = self._poll()
@@ -396,6 +443,9 @@ def run(
             signal.signal(sig, lambda *_: sink.stop())
     with contextlib.ExitStack() as stack:
         try:
+            metrics_server = serve_metrics(settings, sink.metrics)
+            if metrics_server is not None:
+                stack.callback(metrics_server.stop)
             if beside is not None:
                 stack.enter_context(beside(sink))
         except BaseException:

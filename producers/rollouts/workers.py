@@ -25,6 +25,10 @@ sandbox. A cancelled job's messages (``rollout.jobs``) are dropped at INIT and a
 
 A message that cannot be decoded goes to the dead-letter topic with the reason
 (schemas/dlq.py); a call to the proxy that gets no answer is tried again (the offset waits).
+
+Metrics (``rollstream_workers_*``, docs/metrics.md) on ``metrics_port`` when set: messages taken
+and done per stage, in flight, seconds per stage, rollouts finished by stage and status, dead
+letters; live while every stage's loop goes round, ready once the workers are up.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any, Final
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
+from rollstream.adapters.metrics import ServiceMetrics, serve_metrics
 from rollstream.producers.errors import RolloutCallError, RolloutExists, SandboxError
 from rollstream.producers.rollouts.agents import AgentOutcome, RolloutEndpoint, build_agent
 from rollstream.producers.rollouts.capacity import (
@@ -129,6 +134,16 @@ class Service:
         self._providers: dict[str, SandboxProvider] = {}
         self._running: set[tuple[str, str]] = set()  # (rollout id, stage) running here
         self._lock = threading.Lock()
+        self.metrics = m = ServiceMetrics("workers")
+        self.stage_seconds = m.histogram("stage_seconds", "one message's stage", ("stage",))
+        self.rollouts_finished = m.counter(
+            "rollouts_finished",
+            "rollouts finished here, by the stage they ended in and their status",
+            ("stage", "status"),
+        )
+        self.dead_letters = m.counter(
+            "dead_letters", "stage messages sent to the dead letters", ("stage", "code")
+        )
 
     def close(self) -> None:
         self.producer.flush(10)
@@ -187,6 +202,7 @@ class Service:
             raise KafkaException(failure[0])
 
     def dead_letter(self, raw: Message, reason: str, stage: str, code: str) -> None:
+        self.dead_letters.labels(stage, code).inc()
         headers = dlq_headers(
             reason=reason[:1000],
             code=code,
@@ -333,6 +349,7 @@ class Service:
     def _conclude(self, stages: RolloutStages, result: RolloutResult, msg: StageMessage) -> None:
         """Rewards and finish; a sandbox that could not start is tried again (a new attempt)."""
         stages.conclude(result)
+        self.rollouts_finished.labels(result.stage, result.status).inc()
         self.claims.remove(msg.rollout_id)
         if result.stage == "init" and result.status == "failed":
             self._retry(msg)
@@ -369,6 +386,7 @@ class Service:
             finished = False
         self.claims.remove(msg.rollout_id)
         if finished:
+            self.rollouts_finished.labels(msg.stage, "aborted").inc()
             log.warning("rollout %s aborted (%s)", msg.rollout_id, reason)
             self._retry(msg)
 
@@ -498,6 +516,7 @@ class StageWorker(threading.Thread):
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"{self.stage}-")
         try:
             while not stop.is_set():
+                self.service.metrics.health.beat()
                 self._commit_finished()
                 full = self.book.count() >= self.limit()
                 if full != self.paused:
@@ -545,6 +564,7 @@ class StageWorker(threading.Thread):
             self._do(raw, partition, offset)
         finally:
             self.meter.end(began)
+            self.service.stage_seconds.labels(self.stage).observe(time.monotonic() - began)
 
     def _do(self, raw: Message, partition: int, offset: int) -> None:
         service = self.service
@@ -645,6 +665,33 @@ def _sweep(service: Service) -> None:
         log.warning("sweep: %s", exc)
 
 
+def _export(metrics: ServiceMetrics, workers: list[StageWorker]) -> None:
+    """The stage workers' own counters, read at scrape time; ready while every one runs."""
+
+    def each(read: Callable[[StageWorker], float]) -> Callable[[], dict[tuple[str, ...], float]]:
+        return lambda: {(w.stage,): read(w) for w in workers}
+
+    m, stage = metrics, ("stage",)
+    m.counter_fn("messages_started", "stage messages taken", each(lambda w: w.meter.started), stage)
+    m.counter_fn(
+        "messages_done", "stage messages whose work ended", each(lambda w: w.meter.done), stage
+    )
+    m.counter_fn("busy_seconds", "seconds of stage work", each(lambda w: w.meter.busy_s), stage)
+    m.gauge_fn(
+        "in_flight",
+        "stage messages held (taken, not committed)",
+        each(lambda w: w.book.count()),
+        stage,
+    )
+    m.gauge_fn("limit", "stage messages this worker may hold now", each(lambda w: w.limit()), stage)
+
+    def running() -> tuple[bool, str]:
+        down = [w.stage for w in workers if not w.is_alive() or w.error is not None]
+        return not down, f"stopped: {','.join(down)}" if down else "running"
+
+    m.health.watch("workers", running)
+
+
 def run_workers(
     settings: RolloutSettings,
     *,
@@ -660,6 +707,8 @@ def run_workers(
             signal.signal(sig, lambda *_: stop.set())
     service = Service(settings, stop, environ)
     stages = stages_of(settings.rollouts_stages)
+    service.metrics.health.set("workers", False, "starting")
+    metrics_server = serve_metrics(settings, service.metrics)
     try:
         _sweep(service)
         watcher = _JobWatcher(service)
@@ -672,6 +721,7 @@ def run_workers(
             decisions.start()
         for w in workers:
             w.start()
+        _export(service.metrics, workers)
         reporter = Reporter(
             settings,
             service.worker_id,
@@ -694,3 +744,5 @@ def run_workers(
     finally:
         stop.set()
         service.close()
+        if metrics_server is not None:
+            metrics_server.stop()
