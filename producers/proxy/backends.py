@@ -55,6 +55,7 @@ from rollstream.producers.errors import (
     ProxyConfigError,
 )
 from rollstream.producers.proxy.http1 import Http1Transport
+from rollstream.schemas.events import policy_version_problem
 
 try:
     import orjson
@@ -317,7 +318,8 @@ class CompletionBackend:
         latency = time.perf_counter() - started
         try:
             return self._parse(data, len(body["prompt"]), latency, top_logprobs)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: a token id outside uint32 (numpy refuses it)
             raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
 
     def _lean_target(self) -> _Target | None:
@@ -385,6 +387,8 @@ class CompletionBackend:
         if any(v is None for v in logprobs):
             raise ValueError("a generated token has no logprob")
         version = data.get("policy_version")  # rollstream extension; vLLM does not send it
+        if version is not None and (problem := policy_version_problem(version)) is not None:
+            raise ValueError(f"policy_version {problem}")
         if isinstance(version, int):
             self._version = version
         usage = data.get("usage") or {}
@@ -444,7 +448,12 @@ class CompletionBackend:
             data = await self._json(
                 "POST", "/v1/load_weights", json={"path": path, "version": version}
             )
-            self._version = int(data["policy_version"])
+            served = data.get("policy_version")
+            if (problem := policy_version_problem(served)) is not None:
+                raise BackendProtocolError(
+                    f"/v1/load_weights: policy_version {problem}", backend=self.name
+                )
+            self._version = int(served)
             return self._version
         paused_here = not self._paused_by_caller
         if paused_here:

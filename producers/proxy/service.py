@@ -521,7 +521,10 @@ class Proxy:
                 drift_tokens=drift,
             )
         except RecorderUsageError as exc:
-            raise ApiError(409, str(exc), code="rollout_finished") from exc
+            if ro.handle.finished:
+                raise ApiError(409, str(exc), code="rollout_finished") from exc
+            # the backend's answer broke a bound of the record (e.g. its policy version)
+            raise ApiError(502, f"the backend's answer cannot be recorded: {exc}") from exc
 
     # --- routes ------------------------------------------------------------------------------
 

@@ -108,6 +108,13 @@ def test_old_vllm_without_token_ids_falls_back_to_logprob_tokens() -> None:
         {"choices": [{"token_ids": [1], "logprobs": None}]},
         {"choices": [{"token_ids": None, "logprobs": {"tokens": ["hi"], "token_logprobs": [-1]}}]},
         {"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [None]}}]},
+        # out of bounds: a token id past uint32, a policy version past 2**53 - 1
+        {"choices": [{"token_ids": [2**40], "logprobs": {"token_logprobs": [-1.0]}}]},
+        {"choices": [{"token_ids": [-1], "logprobs": {"token_logprobs": [-1.0]}}]},
+        {
+            "choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}}],
+            "policy_version": 2**64 - 1,
+        },
     ],
 )
 def test_unusable_answers_are_protocol_errors(answer: dict) -> None:  # type: ignore[type-arg]
@@ -228,6 +235,12 @@ def test_reference_reload_uses_load_weights() -> None:
 
     asyncio.run(main())
     assert rec.calls[0] == ("POST", "/v1/load_weights", {}, {"path": "/w", "version": 4})
+
+
+def test_reference_reload_with_an_unbounded_version_is_a_protocol_error() -> None:
+    rec = Recorder({"/v1/load_weights": {"policy_version": 2**64, "path": "/w"}})
+    with pytest.raises(BackendProtocolError, match="policy_version"):
+        asyncio.run(backend(rec, kind="reference").reload_weights("/w", 4))
 
 
 def test_unknown_kind_is_refused() -> None:
