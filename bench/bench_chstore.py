@@ -9,7 +9,11 @@
 3. Each canned report's latency over --report-events generated events (rollouts of ~12
    events, samples, policy versions): best (``report_ms``) and median of --repeat runs.
    --reports-only --path DIR reuses data loaded earlier, after applying any migration added
-   since (a backfill, e.g. 0004's per-rollout states).
+   since (a backfill, e.g. 0004's per-rollout states). The dashboard of the web UI reads
+   DASHBOARD_VIEWS of them (``dashboard_views_ms_median_sum``: their medians added up).
+4. Over the same data, the web UI's data endpoints (ui_api.py: the rollout browser's filters
+   and pages, a group, a rollout's tree and tokens) as the pages call them: ``ui_ms`` (best)
+   and ``ui_ms_median``.
 Optional --codecs: compressed bytes per token of candidate codecs on token ids from a BPE
 tokenizer trained here on the Python standard library (the codec choice in the DDL).
 
@@ -29,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from rollstream.consumers.analytics import reports
+from rollstream.consumers.analytics import reports, ui_api
 from rollstream.consumers.store import chstore
 from rollstream.consumers.store.migrations import apply_migrations
 from rollstream.consumers.store.rows import RowBatch
@@ -52,6 +56,11 @@ TOOLS = ("bash", "python", "read_file", "write_file", "search")
 TOOL_ERROR = {"bash": 0.2, "python": 0.1, "read_file": 0.02, "write_file": 0.05, "search": 0.0}
 STATUSES = ("completed", "failed", "timeout", "aborted")
 STATUS_CDF = np.array([0.85, 0.93, 0.98])
+# the canned views the web UI's dashboard reads (consumers/analytics/ui/app.js)
+DASHBOARD_VIEWS = (
+    "reward_by_policy", "rollouts_by_status", "stages", "tokens_per_rollout", "staleness",
+    "train_steps",
+)  # fmt: skip
 
 
 def llm_events(n: int, tokens: int, rng: np.random.Generator) -> list[Event]:
@@ -306,14 +315,45 @@ def _time_reports(client: Any, db: str, repeat: int, *, load: float | None) -> d
         ]  # fmt: skip
         latency[name] = round(min(times) * 1000, 1)
         median[name] = round(float(np.median(times)) * 1000, 1)
+    ui = _time_ui(client, db, repeat)
+    dash = sum(median[v] for v in DASHBOARD_VIEWS if v in median)
     return {
         "report_events": events,
+        "dashboard_views_ms_median_sum": round(dash, 1),
+        "ui_ms": {k: round(min(t) * 1000, 1) for k, t in ui.items()},
+        "ui_ms_median": {k: round(float(np.median(t)) * 1000, 1) for k, t in ui.items()},
         "report_load_s": None if load is None else round(load, 1),
         "report_load_events_per_s": None if load is None else round(events / load),
         "report_ms": latency,
         "report_ms_median": median,
         "report_rows": rows,
     }
+
+
+def _time_ui(client: Any, db: str, repeat: int) -> dict[str, list[float]]:
+    """Seconds per run of each web UI data endpoint (ui_api.py) as the rollout browser, the
+    group page and the tree viewer call it, over the report dataset (queries + assembly)."""
+    rid = "r000000100"  # report_dataset's rollout 100: group g12, task0012
+    calls = {
+        "filters": ("filters", []),
+        "rollouts": ("rollouts", [("limit", "50")]),
+        "rollouts?task": ("rollouts", [("task", "task0012"), ("limit", "50")]),
+        "rollouts?min_reward": ("rollouts", [("min_reward", "0.5"), ("limit", "50")]),
+        "rollouts?offset": ("rollouts", [("offset", "10000"), ("limit", "50")]),
+        "group": ("group", [("group", "g12")]),
+        "trajectory": ("trajectory", [("rollout", rid)]),
+        "tokens": ("tokens", [("rollout", rid), ("call", f"{rid}c1")]),
+    }
+
+    def ask(q: ui_api.Query) -> chstore.Table:
+        return chstore.query(client, q.sql, q.params)
+
+    out: dict[str, list[float]] = {}
+    for key, (name, raw) in calls.items():
+        spec = ui_api.ENDPOINTS[name]
+        params = ui_api.parse_params(spec, raw)
+        out[key] = [timed(lambda s=spec, p=params: s.run(p, db, ask)) for _ in range(repeat)]
+    return out
 
 
 def bench_codecs(client: Any) -> dict[str, Any]:
@@ -418,10 +458,12 @@ def main() -> None:
                 )
             )
             print(f"reports over {result['report_events']} events: {result['report_ms']}")
+            print(f"UI endpoints (median ms): {result['ui_ms_median']}")
             if a.codecs:
                 result.update(bench_codecs(client))
             result["targets_met"] = {
                 "reports_under_1s": max(result["report_ms"].values()) < 1000,
+                "ui_endpoints_under_1s": max(result["ui_ms_median"].values()) < 1000,
             }
             if not a.reports_only:
                 result["targets_met"].update({

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollstream.consumers.analytics import ui_api
+from rollstream.consumers.analytics import ui_api, ui_tree
 from rollstream.consumers.analytics.readonly import check_read_only
 from rollstream.consumers.analytics.ui_api import (
     ENDPOINTS,
@@ -61,11 +61,11 @@ def test_rollouts_query_binds_every_filter() -> None:
     assert "OR 1=1" not in evil.sql and evil.params["task"] == "x' OR 1=1 --"
     # the server's own read-only lexer accepts every query the endpoints build
     check_read_only(evil.sql, database="rollstream_x")
-    for q in ui_api.trajectory_queries(
+    for q in ui_tree.trajectory_queries(
         ui_api.TrajectoryParams(rollout="r"), "rollstream_x"
     ).values():
         check_read_only(q.sql, database="rollstream_x")
-    shape, arrays = ui_api.tokens_queries(
+    shape, arrays = ui_tree.tokens_queries(
         ui_api.TokensParams(rollout="r", call="c"), "rollstream_x"
     )
     check_read_only(shape.sql, database="rollstream_x")
@@ -109,7 +109,7 @@ CALLS = _calls(
 
 
 def _tokens(calls: dict[str, Any], leaf: str, offset: int = 0, limit: int = 100) -> dict[str, Any]:
-    return ui_api._token_page(path_tokens(calls, leaf), offset, limit)
+    return ui_tree.token_page(path_tokens(calls, leaf), offset, limit)
 
 
 def test_path_tokens_follow_appends_and_rewinds_with_masks() -> None:
@@ -164,13 +164,20 @@ def test_endpoints_run_over_an_ask_edge() -> None:
                                 "rollstream_x", ask)  # fmt: skip
 
     def group_ask(q: Query) -> Answer:
+        seen.append(q)
+        if "FROM rollstream_x.rewards" in q.sql:  # the page's rewards, after the page
+            assert sorted(q.params["ids"]) == ["a", "b", "c"]
+            return Answer(("rollout_id", "reward"), [("a", 1.0)])
+        if "FROM rollstream_x.stages" in q.sql:
+            return Answer(("rollout_id", "job"), [("b", "j2")])
         if "FROM rollstream_x.samples" in q.sql:
             cols = ("sample_id", "rollout_id", "advantage", "reward")
             return Answer(cols, [("s1", "a", 0.5, 1.0), ("s2", "a", 0.5, 1.0),
                                  ("s3", "b", -0.5, 0.0)])  # fmt: skip
-        cols = ("rollout_id", "status", "reward", "total")
-        return Answer(cols, [("b", "completed", 0.0, 3), ("a", "completed", 1.0, 3),
-                             ("c", "running", 0.0, 3)])  # fmt: skip
+        assert "JOIN" not in q.sql  # no filter reads rewards or jobs: the page needs no join
+        page_cols = ("rollout_id", "status", "reward", "job_id", "total")
+        return Answer(page_cols, [("b", "completed", 0.0, "", 3), ("a", "completed", 0.0, "", 3),
+                                  ("c", "running", 0.0, "", 3)])  # fmt: skip
 
     g = ENDPOINTS["group"].run(parse_params(ENDPOINTS["group"], [("group", "g")]),
                                "rollstream_x", group_ask)  # fmt: skip
@@ -178,3 +185,5 @@ def test_endpoints_run_over_an_ask_edge() -> None:
     assert [r["advantage"] for r in g["rollouts"]] == [0.5, -0.5, None]
     assert [len(r["samples"]) for r in g["rollouts"]] == [2, 1, 0]
     assert g["total"] == 3 and g["mean_reward"] == 0.5  # the running rollout is not counted
+    assert [r["reward"] for r in g["rollouts"]] == [1.0, 0.0, 0.0]  # no final reward: 0
+    assert [r["job_id"] for r in g["rollouts"]] == ["", "j2", ""]

@@ -287,20 +287,24 @@ function layoutTree(nodes) {
   return { pos, lanes: Math.max(lanes, 1) };
 }
 
-function treeSvg(nodes, selected) {
-  const { pos, lanes } = layoutTree(nodes);
-  const RH = 22, LW = 16, X0 = 12, labelX = X0 + lanes * LW + 8, H = nodes.length * RH + 10;
+// The call tree is drawn lazily: only the rows in (and near) the scrolled window of the #tree
+// card are in the DOM, redrawn on scroll, so a 1,000-call tree costs as much as a 100-call one.
+const TREE_ROW = 22, TREE_OVERSCAN = 30;
+
+function treeRows(nodes, pos, lo, hi, selected, lanes) {
+  const RH = TREE_ROW, LW = 16, X0 = 12, labelX = X0 + lanes * LW + 8;
   const cx = (p) => X0 + p.lane * LW, cy = (p) => 12 + p.row * RH;
   const edges = [], marks = [], labels = [];
   for (const n of nodes) {
     const p = pos.get(n.call_id);
     const from = n.parent ? pos.get(n.parent) : n.raw_parent ? pos.get(n.raw_parent) : null;
-    if (from) {
+    if (from && Math.max(from.row, p.row) >= lo && Math.min(from.row, p.row) <= hi) {
       const dash = n.link === "rewind" || n.link === "subagent" ? ' stroke-dasharray="4 3"' : "";
       const color = LINK_COLORS[n.link] || "#999";
       const d = from.lane === p.lane ? `M${cx(from)},${cy(from)} L${cx(p)},${cy(p)}` : `M${cx(from)},${cy(from)} C${cx(from)},${cy(p) - RH / 2} ${cx(p)},${cy(from) + RH / 2} ${cx(p)},${cy(p)}`;
       edges.push(`<path d="${d}" fill="none" stroke="${color}" stroke-width="1.4"${dash}/>`);
     }
+    if (p.row < lo || p.row > hi) continue;
     const sel = n.call_id === selected;
     const reward = n.rewards.reduce((a, r) => a + (r.value || 0), 0);
     const badges = [
@@ -316,7 +320,35 @@ function treeSvg(nodes, selected) {
       <text x="${labelX}" y="${cy(p) + 4}">${esc(tail(n.call_id, 22))}  <tspan fill="#8a929c">${n.prompt_len}+${n.completion_len} tok · v${n.policy_version}</tspan>  <tspan fill="#a06a00">${esc(badges)}</tspan></text>
       <rect x="0" y="${cy(p) - RH / 2}" width="100%" height="${RH}" fill="transparent"/></g>`);
   }
-  return `<svg id="tree-svg" width="100%" height="${H}" style="min-width:${labelX + 320}px">${marks.join("")}${edges.join("")}${labels.join("")}</svg>`;
+  return marks.join("") + edges.join("") + labels.join("");
+}
+
+// treeView(box, nodes, selected): draws the tree into the scrolling card `box`, the selected
+// call scrolled into view; returns { select(call) }.
+function treeView(box, nodes, selected) {
+  const { pos, lanes } = layoutTree(nodes);
+  const labelX = 12 + lanes * 16 + 8, H = nodes.length * TREE_ROW + 10;
+  box.innerHTML = `<svg id="tree-svg" width="100%" height="${H}" data-nodes="${nodes.length}" style="min-width:${labelX + 320}px"></svg>`;
+  const svg = box.firstElementChild;
+  let drawn = null, pending = false;
+  const draw = (force) => {
+    pending = false;
+    const top = box.scrollTop, height = box.clientHeight || 800;
+    const lo = Math.max(0, Math.floor(top / TREE_ROW) - TREE_OVERSCAN);
+    const hi = Math.ceil((top + height) / TREE_ROW) + TREE_OVERSCAN;
+    if (!force && drawn && lo >= drawn[0] && hi <= drawn[1]) return;
+    // draw a wider window than needed, so small scrolls need no redraw
+    drawn = [Math.max(0, lo - TREE_OVERSCAN), hi + TREE_OVERSCAN];
+    svg.innerHTML = treeRows(nodes, pos, drawn[0], drawn[1], selected, lanes);
+  };
+  box.addEventListener("scroll", () => { if (!pending) { pending = true; requestAnimationFrame(() => draw(false)); } });
+  const reveal = () => { // scroll the selected row into view when it is out of it
+    const p = pos.get(selected), y = p ? p.row * TREE_ROW : 0;
+    if (p && (y < box.scrollTop || y + TREE_ROW > box.scrollTop + box.clientHeight)) box.scrollTop = y - box.clientHeight / 2;
+  };
+  reveal();
+  draw(true);
+  return { select(call) { selected = call; reveal(); draw(true); } };
 }
 
 function nodeDetail(n) {
@@ -330,23 +362,45 @@ function nodeDetail(n) {
     <div>${rewards}${branches}</div>${tools}`;
 }
 
-function tokenView(data) {
-  const drift = new Set(data.drift_calls);
-  let html = "", prev = -1;
-  for (let i = 0; i < data.ids.length; i++) {
+// The token view draws TOKEN_CHUNK tokens at a time: more as the #tokens box is scrolled to
+// its end (the page of tokens is fetched whole; only the drawing is lazy).
+const TOKEN_CHUNK = 600;
+
+function tokenSpans(data, drift, from, to) {
+  let html = "";
+  for (let i = from; i < to; i++) {
     const s = data.segment[i], seg = data.segments[s], m = data.mask[i];
     const cls = ["tok", seg.kind === "unknown" ? "unk" : `m${m}`];
     if (drift.has(seg.call_id)) cls.push("drift");
-    if (s !== prev) cls.push("seg-start");
-    prev = s;
+    if (i === 0 || s !== data.segment[i - 1]) cls.push("seg-start");
     const lp = data.logprobs[i];
     html += ` <span class="${cls.join(" ")}" title="${esc(`${seg.call_id} ${seg.kind} · mask ${m}${lp === null ? "" : ` · logprob ${fmt(lp, 4)}`}`)}">${data.ids[i]}</span>`;
   }
+  return html;
+}
+
+function tokenView(data) {
   const end = data.offset + data.ids.length;
   return `<div class="muted" id="token-summary">path ${data.path.map((c) => esc(short(c, 12))).join(" → ")} · ${fmt(data.length)} tokens, <b>${fmt(data.trained_tokens)}</b> trained (mask 1) · showing ${fmt(data.offset)}–${fmt(end)}${data.drift_calls.length ? ` · <span class="pill drift">drift in ${data.drift_calls.map(esc).join(", ")}</span>` : ""}</div>
     <div class="legend"><span><i style="background:#edf0f3"></i>prompt (mask 0, not trained)</span><span><i style="background:#d6f2e1"></i>completion (mask 1, trained; hover: behaviour logprob)</span><span><i style="background:#fff;box-shadow:inset 0 -2px 0 #c8382d"></i>call with retokenization drift</span></div>
-    <div class="tokens" id="tokens">${html}</div>
+    <div class="tokens" id="tokens"></div>
     ${end < data.length ? `<button id="more-tokens" data-offset="${end}">next tokens →</button>` : ""}`;
+}
+
+// fills the #tokens box of tokenView(data) a chunk at a time: the first chunks now, the rest
+// when the box is scrolled near its end
+function drawTokens(box, data) {
+  const drift = new Set(data.drift_calls), n = data.ids.length;
+  let done = 0;
+  const more = () => {
+    const to = Math.min(n, done + TOKEN_CHUNK);
+    box.insertAdjacentHTML("beforeend", tokenSpans(data, drift, done, to));
+    done = to;
+  };
+  const fill = () => { while (done < n && box.scrollTop + box.clientHeight >= box.scrollHeight - 200) more(); };
+  more();
+  fill();
+  box.addEventListener("scroll", fill, { passive: true });
 }
 
 async function trajectory(id, params) {
@@ -354,6 +408,9 @@ async function trajectory(id, params) {
   const r = data.rollout;
   const byId = new Map(data.nodes.map((n) => [n.call_id, n]));
   let selected = params.call && byId.has(params.call) ? params.call : (data.nodes[data.nodes.length - 1] || {}).call_id;
+  const tokenPage = (call, offset) => api(`/ui/api/tokens${qs({ rollout: id, call, offset, limit: 4000 })}`);
+  const firstPage = selected ? tokenPage(selected, 0) : null; // asked for while the tree is drawn
+  if (firstPage) firstPage.catch(() => {}); // shown (error included) by showTokens
   const counts = {};
   for (const n of data.nodes) counts[n.link] = (counts[n.link] || 0) + 1;
   main().innerHTML = `<h2>Rollout ${esc(id)}</h2>
@@ -371,22 +428,26 @@ async function trajectory(id, params) {
   ${data.unplaced.length ? `<div class="card" style="margin-top:12px"><h3>Events not at a call</h3>${data.unplaced.map((u) => u.kind_of === "reward" ? `<span class="pill reward">${esc(u.kind)} ${esc(u.name)} ${fmt(u.value)}</span>` : u.name ? `<span class="pill">tool ${esc(u.name)}</span>` : `<span class="pill">branch ${esc(u.kind)}</span>`).join("")}</div>` : ""}
   <div class="card" id="samples-card" style="margin-top:12px"><h3>Samples this tree produced</h3>${data.samples.length ? table(data.samples, [{ key: "sample_id", label: "sample", fmt: (v) => short(v, 16) }, { key: "mode" }, { key: "leaf_id", label: "leaf", html: (s) => byId.has(s.leaf_id) ? `<a href="#" data-goto="${esc(s.leaf_id)}">${esc(s.leaf_id)}</a>` : esc(s.leaf_id) }, { key: "advantage", num: 1 }, { key: "reward", num: 1 }, { key: "loss_weight", label: "weight", num: 1 }, { key: "num_tokens", label: "tokens", num: 1 }, { key: "num_loss_tokens", label: "trained", num: 1 }, { key: "min_policy_version", label: "min version", num: 1 }], { id: "samples-table" }) : '<p class="muted">none (yet)</p>'}</div>`;
 
-  async function select(call) {
-    selected = call;
-    $("#tree").innerHTML = treeSvg(data.nodes, selected);
-    $("#node-detail").innerHTML = nodeDetail(byId.get(call));
-    if (!call) return;
-    await loadTokens(0);
-  }
-  async function loadTokens(offset) {
-    const view = $("#token-view");
+  const tree = treeView($("#tree"), data.nodes, selected);
+  let shown = 0; // the latest token request wins
+  async function showTokens(request) {
+    const view = $("#token-view"), mine = ++shown;
     try {
-      const t = await api(`/ui/api/tokens${qs({ rollout: id, call: selected, offset, limit: 4000 })}`);
+      const t = await request;
+      if (mine !== shown) return;
       view.classList.remove("muted");
       view.innerHTML = tokenView(t);
+      drawTokens($("#tokens"), t);
       const more = $("#more-tokens");
-      if (more) more.addEventListener("click", () => loadTokens(Number(more.dataset.offset)));
-    } catch (err) { view.textContent = err.message; }
+      if (more) more.addEventListener("click", () => showTokens(tokenPage(selected, Number(more.dataset.offset))));
+    } catch (err) { if (mine === shown) view.textContent = err.message; }
+  }
+  async function select(call, request) {
+    selected = call;
+    tree.select(call);
+    $("#node-detail").innerHTML = nodeDetail(byId.get(call));
+    if (!call) return;
+    await showTokens(request || tokenPage(call, 0));
   }
   $("#tree").addEventListener("click", (e) => {
     const g = e.target.closest(".node");
@@ -396,7 +457,7 @@ async function trajectory(id, params) {
     const a = e.target.closest("[data-goto]");
     if (a) { e.preventDefault(); select(a.dataset.goto); }
   });
-  await select(selected);
+  await select(selected, firstPage);
 }
 
 // --- routing, live refresh ----------------------------------------------------------------------
