@@ -33,10 +33,13 @@ add_generation_prompt=True))``, which is the text before the sentinel of reply k
 cut at the same earlier sentinels; so the new prompt starts with the old prompt's IDs followed
 by the old completion's IDs, and the context trie sees an append-only call. Pieces are cut only
 right after the generation prompt and right after the emission (before a special token in
-ChatML-like templates), so a piece is tokenized the same way the model saw it. Limits: a
-template that renders the generation prompt differently from an in-history assistant header
-(e.g. Qwen3's empty think block) gives a rewind instead of an append; a template that looks at an
-assistant message's tool_calls outside the message itself renders known segments without them.
+ChatML-like templates), so a piece is tokenized the same way the model saw it. Text a template
+adds between the generation prompt and a reply in history (``chat.history_gap``: Mistral's " "
+before the content) is cut from the piece before a known reply: the model generated right after
+the prompt. Limits: a template that renders the generation prompt otherwise differently from an
+in-history assistant header (e.g. Qwen3's empty think block) gives a rewind instead of an
+append; a template that looks at an assistant message's tool_calls outside the message itself
+renders known segments without them.
 
 Drift: the first time a remembered reply comes back, its text is rendered (after a one-word
 user turn, then cut out of the template's wrapping) and re-tokenized; if that differs from the
@@ -73,9 +76,6 @@ Errors (producers/errors.py): ChatInputError (a ChatError and a ValueError) with
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,7 +87,6 @@ import numpy.typing as npt
 from rollstream.producers.errors import ChatError, ChatInputError, ChatTemplateError
 from rollstream.producers.proxy.chat_template import ChatTemplate
 from rollstream.producers.proxy.messages import message_key, normalize_messages, normalize_tools
-from rollstream.producers.proxy.openai_wire import json_text
 from rollstream.producers.sdk.context import common_prefix
 
 __all__ = [
@@ -116,7 +115,6 @@ __all__ = [
 
 _U32 = np.dtype("<u4")
 Tokens = npt.NDArray[Any]
-_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 # --------------------------------------------------------------------------- per-rollout memory
@@ -241,6 +239,9 @@ def render_prompt(
     skip = 0  # characters of the next piece already emitted by the model (its stop token)
     for i in range(0, len(pieces), 2):
         piece = pieces[i][skip:]
+        gap = chat.history_gap  # the template's text before a reply, not the model's
+        if gap and i + 1 < len(pieces) and piece.endswith(gap):
+            piece = piece[: -len(gap)]
         if piece:
             parts.append(memory.encode(chat, piece))
         if i + 1 >= len(pieces):
@@ -294,37 +295,27 @@ class AssistantReply:
 
 
 def parse_reply(
-    chat: ChatTemplate, ids: Tokens, *, tools_enabled: bool, call_id_prefix: str = "call_"
+    chat: ChatTemplate,
+    ids: Tokens,
+    *,
+    tools_enabled: bool,
+    call_id_prefix: str = "call_",
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> AssistantReply:
-    """Decode generated ids; with tools, ``<tool_call>{json}</tool_call>`` blocks become tool
-    calls (a block whose JSON is not ``{"name": str, "arguments": ...}`` stays text)."""
+    """Decode generated ids; with tools, the tool calls written in the model's format
+    (``chat.tool_format``: hermes ``<tool_call>{json}</tool_call>`` blocks, Llama 3's JSON,
+    Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's XML; tool_formats.py) become OpenAI tool calls;
+    text that is not a well-formed call stays content. ``tools`` (the request's) type the
+    values of formats that write them as text."""
     text = chat.decode(ids)
-    if not tools_enabled or "<tool_call>" not in text:
+    if not tools_enabled:
         return AssistantReply(text, text, [])
-    calls: list[dict[str, Any]] = []
-
-    def take(match: re.Match[str]) -> str:
-        try:
-            obj = json_text(match.group(1))
-        except ValueError:  # not JSON, or nested past MAX_JSON_DEPTH: the block stays text
-            return match.group(0)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return match.group(0)
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({
-            "id": f"{call_id_prefix}{secrets.token_hex(8)}",
-            "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str)
-                         else json.dumps(args, ensure_ascii=False)},
-        })  # fmt: skip
-        return ""
-
-    content = _TOOL_BLOCK.sub(take, text)
+    content, calls = chat.tool_format.parse(
+        chat.decode_for_tools(ids, text), tools, id_prefix=call_id_prefix
+    )
     if not calls:
         return AssistantReply(text, text, [])
-    content = content.strip()
-    return AssistantReply(text, content or None, calls)
+    return AssistantReply(text, content, calls)
 
 
 def _pending_tool_results(
@@ -376,6 +367,7 @@ class ChatTurn:
     stop_token_ids: list[int]
     tool_results: list[ToolResult]  # tool messages answering earlier replies, not recorded yet
     required_tool: str | None = None  # tool_choice "required" (""), a named function, else None
+    tools: list[dict[str, Any]] | None = None  # the request's tools (types of XML call values)
 
 
 def render_turn(
@@ -409,6 +401,7 @@ def render_turn(
         stop_token_ids=stop_ids,
         tool_results=_pending_tool_results(memory, msgs),
         required_tool=required,
+        tools=tool_list,
     )
 
 
@@ -446,7 +439,9 @@ def read_reply(
     token's text (for logprobs) and the text of each step's alternatives ``top_ids``."""
     ids = token_ids
     user_stop = stop_reason is not None and len(ids) > 0 and int(ids[-1]) == stop_reason
-    reply = parse_reply(chat, ids[:-1] if user_stop else ids, tools_enabled=turn.tools_enabled)
+    reply = parse_reply(
+        chat, ids[:-1] if user_stop else ids, tools_enabled=turn.tools_enabled, tools=turn.tools
+    )
     memory.remember(turn.messages, reply, ids, call_id)
     if turn.required_tool is not None:
         met = any(turn.required_tool in ("", c["function"]["name"]) for c in reply.tool_calls)

@@ -6,6 +6,13 @@ The template is compiled once in a sandboxed Jinja environment configured like t
 ``{% generation %}`` tag) and the special tokens are passed as variables; the tokenizer is the
 model's ``tokenizer.json`` run by the ``tokenizers`` library. ``chat.py`` builds on it.
 
+Tool calls: the template's text names the format the model writes tool calls in
+(``tool_formats.detect``; a setting may name it instead), kept as ``tool_format``. Assistant
+tool calls arrive with OpenAI's JSON-text ``arguments``; a template that does not test whether
+``arguments`` is a string (Qwen2.5, Llama 3.1, Mistral and Qwen3-Coder's templates apply
+``tojson`` or ``|items`` to it) gets them as objects, the shape transformers documents and vLLM
+passes (``object_arguments``); arguments that are not a JSON object stay text.
+
 Errors (producers/errors.py): ChatTemplateError when the model directory has no usable
 tokenizer or chat template, ChatInputError when the template rejects the messages; both are
 ChatError, a ProxyError.
@@ -31,6 +38,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from rollstream.producers.errors import ChatError, ChatInputError, ChatTemplateError
+from rollstream.producers.proxy.openai_wire import json_text
+from rollstream.producers.proxy.tool_formats import ToolCallFormat, resolve
 
 __all__ = ["ChatError", "ChatInputError", "ChatTemplate", "ChatTemplateError"]
 
@@ -69,6 +78,37 @@ def _tojson(
     )
 
 
+# a template that tests the type of ``arguments`` itself (``arguments is string``) takes them
+# as sent; any other is given objects (see the module docstring)
+_ARGUMENTS_TYPE_TEST = re.compile(r"arguments[\]'\"]*\s+is\s+(?:not\s+)?(?:string|mapping)")
+
+
+def _object_arguments(messages: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+    """``messages`` with each assistant tool call's JSON-object ``arguments`` text as the
+    object (new dicts where changed; the input is left as it is)."""
+    out: list[dict[str, Any]] | None = None
+    for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls")
+        if not calls:
+            continue
+        new_calls = []
+        for call in calls:
+            fn = call.get("function")
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str):
+                try:
+                    value = json_text(args)
+                except ValueError:
+                    value = None
+                if isinstance(value, dict):
+                    call = {**call, "function": {**fn, "arguments": value}}
+            new_calls.append(call)
+        if out is None:
+            out = list(messages)
+        out[i] = {**msg, "tool_calls": new_calls}
+    return messages if out is None else out
+
+
 def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
@@ -88,6 +128,7 @@ class ChatTemplate:
         special_tokens: dict[str, str] | None = None,
         max_model_len: int | None = None,
         name: str = "",
+        tool_format: str = "auto",
     ) -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True,
@@ -116,6 +157,12 @@ class ChatTemplate:
         eos = self.special_tokens.get("eos_token")
         eos_id = tokenizer.token_to_id(eos) if eos else None
         self.eos_id: int | None = eos_id
+        self.tool_format: ToolCallFormat = resolve(tool_format, template)
+        # the format's markers that are special tokens here: kept when a reply is read for calls
+        self._marker_ids = frozenset(
+            i for i in self.special_ids if self._special_text[i] in self.tool_format.markers
+        )
+        self.object_arguments = _ARGUMENTS_TYPE_TEST.search(template) is None
         self._segments: dict[str, Tokens] = {}  # text between added tokens -> its ids
         self._segment_chars = 0
         self._split = self._segment_splitter(tokenizer, added)
@@ -125,17 +172,26 @@ class ChatTemplate:
         # how the template wraps an assistant message's own part (for drift counting)
         self._probe_head: list[dict[str, Any]] = [{"role": "user", "content": "?"}]
         self._around: tuple[str, str] | None = None
+        # text a template writes between the generation prompt and an assistant message's
+        # content in history (Mistral: " "), which the model did not see when it generated
+        self.history_gap = ""
         probe = {"role": "assistant", "content": self.sentinel(0)}
         with contextlib.suppress(ChatInputError):
             head, _, tail = self.render([*self._probe_head, probe], None, False).partition(
                 self.sentinel(0)
             )
+            prompt = self.render(self._probe_head, None, True)
+            if head.startswith(prompt):
+                head, self.history_gap = prompt, head[len(prompt) :]
             self._around = (head, tail)
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, max_model_len: int | None = None) -> ChatTemplate:
+    def from_dir(
+        cls, path: str | Path, *, max_model_len: int | None = None, tool_format: str = "auto"
+    ) -> ChatTemplate:
         """Load ``tokenizer.json`` and the chat template (``chat_template.jinja`` or
-        ``tokenizer_config.json``'s ``chat_template``) of a local model directory."""
+        ``tokenizer_config.json``'s ``chat_template``) of a local model directory;
+        ``tool_format``: ``auto`` (detected from the template) or a format's name."""
         p = Path(path)
         try:
             tokenizer = Tokenizer.from_file(str(p / "tokenizer.json"))
@@ -165,6 +221,7 @@ class ChatTemplate:
         return cls(
             tokenizer, template, special_tokens=special,
             max_model_len=int(max_model_len) if max_model_len else None, name=p.name,
+            tool_format=tool_format,
         )  # fmt: skip
 
     def sentinel(self, index: int) -> str:
@@ -179,6 +236,8 @@ class ChatTemplate:
     ) -> str:
         """The template's text for ``messages`` (raises ChatInputError on a template error)."""
         t = self._template
+        if self.object_arguments:
+            messages = _object_arguments(messages)
         variables = {**self._globals, "messages": messages, "tools": tools or None,
                      "documents": None, "add_generation_prompt": add_generation_prompt,
                      **self.special_tokens, **kwargs}  # fmt: skip
@@ -264,13 +323,28 @@ class ChatTemplate:
         seq = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
         return str(self.tokenizer.decode(seq, skip_special_tokens=skip_special_tokens))
 
+    def decode_for_tools(self, ids: Any, decoded: str | None = None) -> str:
+        """``ids`` decoded for reading tool calls: special tokens skipped, except the ones that
+        open a tool call in this model's format (Mistral's ``[TOOL_CALLS]``, Llama's
+        ``<|python_tag|>``). ``decoded``: ``decode(ids)`` when the caller has it already
+        (returned as is when no such token is among the ids)."""
+        marks = self._marker_ids
+        if not marks and decoded is not None:  # no marker is a special token here
+            return decoded
+        seq = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        if not marks or marks.isdisjoint(seq):
+            return self.decode(seq) if decoded is None else decoded
+        special = self.special_ids
+        kept = [t for t in seq if t not in special or t in marks]
+        return str(self.tokenizer.decode(kept, skip_special_tokens=False))
+
     def special_text(self, token_id: int) -> str | None:
         """The text of a special token (``<|im_end|>``), None for ordinary tokens."""
         return self._special_text.get(token_id)
 
     def emission_text(self, message: dict[str, Any]) -> str:
         """What the template writes for an assistant message's own part (content + tool calls),
-        without the header and closing around it."""
+        without the generation prompt before it and the closing after it."""
         if self._around is not None:
             head, tail = self._around
             with contextlib.suppress(ChatInputError):

@@ -702,7 +702,9 @@ def build_proxy(
     """A Proxy for ``settings``. A recorder or pool passed in is the caller's (not closed by
     ``Proxy.stop``); ones built here from ``settings`` are closed there."""
     chat = chat or ChatTemplate.from_dir(
-        settings.resolved_model_path(), max_model_len=settings.proxy_max_model_len
+        settings.resolved_model_path(),
+        max_model_len=settings.proxy_max_model_len,
+        tool_format=settings.proxy_tool_format,
     )
     return Proxy(
         settings,

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
+from rollstream.producers.proxy.tool_formats import ToolFormatSetting
 from rollstream.producers.sdk.settings import RecorderSettings
 
 __all__ = ["HttpClient", "ProxySettings"]
@@ -44,6 +45,8 @@ class ProxySettings(RecorderSettings):
     proxy_backend_kind: Literal["reference", "vllm"] = "reference"
     proxy_backend_model: str | None = None  # the model name sent to the backends
     proxy_backend_api_key: SecretStr | None = None
+    # how replies' tool calls are read: auto = chosen by the model's chat template (tool_formats.py)
+    proxy_tool_format: ToolFormatSetting = "auto"
     proxy_backend_timeout_s: float = 300.0
     # http1: our lean HTTP/1.1 client, the fastest per call (bench/bench_proxy.py
     # --http-client http1,aiohttp,httpx); aiohttp needs `pip install aiohttp`; https://
