@@ -301,6 +301,17 @@ def _show_status(status: Any) -> None:
         f"job {status.job_id}: {status.state}; {t.finished}/{t.planned} finished, "
         f"{t.completed} completed, mean final reward {mean}"
     )
+    tr = status.training
+    steps = "" if tr.first_step is None else f" in steps {tr.first_step}-{tr.last_step}"
+    dropped = ", ".join(f"{n} {verdict}" for verdict, n in tr.samples_dropped.items())
+    out.print(
+        f"training: {tr.samples_trained} samples trained ({tr.tokens_trained} tokens){steps}; "
+        f"dropped {dropped} ({tr.tokens_stale} stale tokens); rollouts: "
+        f"{tr.rollouts_trained} trained, {tr.rollouts_wasted} wasted (every sample dropped stale)"
+    )
+    if tr.wasted:
+        more = tr.rollouts_wasted - len(tr.wasted)
+        out.print("wasted: " + " ".join(tr.wasted) + (f" (+{more} more)" if more else ""))
 
 
 def cmd_controller(args: argparse.Namespace, settings: Any) -> int:

@@ -50,6 +50,7 @@ from .events import (
     as_array,
 )
 from .settings import CommonSettings, kafka_client_config
+from .steps import StepFact, StepSample, TrainStep, Verdict, Verdicts, decode_step, step_records
 from .topics import Topics, TopicSpec
 
 __all__ = [
@@ -94,16 +95,23 @@ __all__ = [
     "StageEvent",
     "StageName",
     "StagePhase",
+    "StepFact",
+    "StepSample",
     "ToolCall",
     "TopicSpec",
     "Topics",
+    "TrainStep",
     "Trajectory",
     "TrajectoryNode",
     "UnknownSchemaError",
     "Usage",
+    "Verdict",
+    "Verdicts",
     "as_array",
+    "decode_step",
     "kafka_client_config",
     "load_schema",
     "previous_schemas",
     "registry_subject",
+    "step_records",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "POLICY",
     "SAMPLES",
     "TASKS",
+    "TRAINER_STEPS",
     "TRAJECTORIES",
     "TopicSpec",
     "Topics",
@@ -31,6 +32,7 @@ TASKS = ("rollout.tasks.init", "rollout.tasks.run", "rollout.tasks.eval")
 JOBS = "rollout.jobs"
 CONTROL_WORKERS = "control.workers"
 CONTROL_DECISIONS = "control.decisions"
+TRAINER_STEPS = "trainer.steps"
 _DAY_MS = 24 * 3600 * 1000
 
 _FOREVER = -1
@@ -112,6 +114,13 @@ _BASE: tuple[TopicSpec, ...] = (
         "capacity",
         "the elastic controller's decisions: RUN slots, admission, inference share",
     ),
+    TopicSpec(
+        TRAINER_STEPS,
+        1,
+        "step",
+        "the trainer's ledger: per committed step, each sample record's verdict "
+        "(trained, stale, duplicate, dlq, skipped) with its ids (schemas/steps.py)",
+    ),
 )
 
 
@@ -157,6 +166,10 @@ class Topics:
     @property
     def control_decisions(self) -> str:
         return self.name(CONTROL_DECISIONS)
+
+    @property
+    def trainer_steps(self) -> str:
+        return self.name(TRAINER_STEPS)
 
     def task(self, stage: str) -> str:
         return self.name(f"rollout.tasks.{stage}")

@@ -39,6 +39,16 @@ names are covered as ``skipped``; duplicates and dead letters as usual. The chec
 stop before the first record still held, so a restart reads held records again (trained ones
 are then duplicates). The trainer stops after the followed run's last step.
 
+The ledger (``<ns>.trainer.steps``, schemas/steps.py): every committed step's covered records
+with their verdict (trained, stale, duplicate, dlq, skipped) and ids. The step's records are
+written to ``<checkpoint_dir>/train-steps/step-N.jsonl`` before its checkpoint is committed and
+sent after its PolicyVersion, by a producer of their own, without waiting; a file is removed
+once the broker acknowledged every part. A refused or unacknowledged send is logged and tried
+again after the next step (and at the next start: files of steps past ``latest`` are removed,
+the others sent), so the ledger never holds up or fails a step, and is at least once (readers
+fold by coordinates: a record twice is a no-op). Stale drops always belong to a step: a batch
+that is all stale makes none, and its records are covered (and listed) by the next one.
+
 Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the trainer write
 ``<checkpoint_dir>/debug-paused.json`` and sleep ``train_debug_pause_s`` at STAGE of step STEP:
 ``optimizer`` (weights updated in memory, nothing written), ``checkpoint`` (checkpoint written
@@ -65,7 +75,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.errors import TrainerError
@@ -86,7 +96,15 @@ from rollstream.consumers.training.dataset import Polled, SampleSource, close_pr
 from rollstream.consumers.training.retrain_plan import ManifestFollower
 from rollstream.consumers.training.settings import DEBUG_STAGES, TRAINER_GROUP, TrainerSettings
 from rollstream.consumers.training.step import build_optimizer, load_policy, train_step
-from rollstream.schemas import CommonSettings, DecodeError, PolicyVersion
+from rollstream.schemas import (
+    CommonSettings,
+    DecodeError,
+    PolicyVersion,
+    StepSample,
+    TrainStep,
+    Verdict,
+    step_records,
+)
 
 __all__ = [
     "DEBUG_STAGES",
@@ -138,6 +156,93 @@ class _Window:
 
 def _coords(entries: list[Polled]) -> list[tuple[int, int]]:
     return [(e.partition, e.offset) for e in entries]
+
+
+class _StepLedger:
+    """TrainStep records of committed steps (module docstring): spooled, then sent without
+    waiting; a step's file goes once every part is acknowledged. At most ``MAX_SPOOL`` files
+    are kept (the oldest are dropped, logged) when the topic refuses them for that long."""
+
+    MAX_SPOOL = 10_000
+
+    def __init__(self, root: Path, topic: str, kafka: dict[str, str], *, fsync: bool) -> None:
+        self.dir, self.topic, self.fsync = root / "train-steps", topic, fsync
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.producer = Producer({**kafka, "enable.idempotence": True, "acks": "all"})
+        self.in_flight: dict[int, int] = {}  # step -> parts not acknowledged yet
+        self.failed: set[int] = set()  # steps with a part refused: sent again
+
+    def _files(self) -> dict[int, Path]:
+        found = ((p, p.stem.removeprefix("step-")) for p in self.dir.glob("step-*.jsonl"))
+        return {int(n): p for p, n in found if n.isdigit()}
+
+    def forget_after(self, step: int) -> None:
+        """Remove the files of steps past ``step`` (written, never committed)."""
+        for n, path in self._files().items():
+            if n > step:
+                path.unlink(missing_ok=True)
+
+    def spool(self, step: int, records: list[TrainStep]) -> None:
+        path = self.dir / f"step-{step:08d}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            f.writelines(r.encode() + b"\n" for r in records)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self.fsync:
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        files = sorted(self._files().items())
+        for n, old in files[: max(0, len(files) - self.MAX_SPOOL)]:
+            log.error("ledger: step %d never acknowledged by %s; dropped", n, self.topic)
+            old.unlink(missing_ok=True)
+
+    def _delivered(self, step: int, path: Path) -> Callable[[KafkaError | None, Message], None]:
+        def done(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                self.failed.add(step)
+            self.in_flight[step] -= 1
+            if self.in_flight[step] == 0:
+                del self.in_flight[step]
+                if step in self.failed:
+                    log.warning("ledger: step %d not acknowledged by %s: %s (sent again "
+                                "after the next step)", step, self.topic, err)  # fmt: skip
+                else:
+                    path.unlink(missing_ok=True)
+
+        return done
+
+    def send(self) -> None:
+        """Send every spooled step not in flight, oldest first; never raises."""
+        self.producer.poll(0)
+        for step, path in sorted(self._files().items()):
+            if step in self.in_flight:
+                continue
+            self.failed.discard(step)
+            lines = path.read_bytes().splitlines()
+            self.in_flight[step] = len(lines)
+            for n, line in enumerate(lines):
+                try:
+                    self.producer.produce(self.topic, line, str(step).encode(),
+                                          on_delivery=self._delivered(step, path))  # fmt: skip
+                except (BufferError, KafkaException) as exc:
+                    log.warning("ledger: step %d not sent to %s: %s", step, self.topic, exc)
+                    self.in_flight[step] -= len(lines) - n
+                    if self.in_flight[step] <= 0:
+                        del self.in_flight[step]
+                    else:
+                        self.failed.add(step)
+                    return
+
+    def close(self, timeout: float) -> None:
+        """Send what is spooled and wait up to ``timeout`` s; the rest stays for the next start."""
+        self.send()
+        close_producer(self.producer, timeout)
 
 
 class Trainer:
@@ -205,6 +310,10 @@ class Trainer:
         self.producer = Producer(
             {**s.kafka_config(), "enable.idempotence": True, "acks": "all", "linger.ms": 0}
         )
+        self.ledger = _StepLedger(
+            self.store.root, self.topics.trainer_steps, s.kafka_config(), fsync=s.checkpoint_fsync
+        )
+        self.ledger.forget_after(self.step)
         self._stop = False
         self._reset()
 
@@ -240,6 +349,7 @@ class Trainer:
         started = time.monotonic()
         first_step = self.step
         self._publish_missing()
+        self.ledger.send()
         last_activity = time.monotonic()
         while not self._done():
             records = self.source.fetch(s.train_poll_records, s.train_poll_timeout_s)
@@ -380,7 +490,22 @@ class Trainer:
         self._debug_pause("optimizer", step)
         metrics["padded_tokens"] = float(batch["input_ids"].numel())
         metrics["step_time_s"] = time.perf_counter() - t0
-        self._commit(self._step_meta(step, kept, covered, metrics), [x.sample_id for x in samples])
+        meta = self._step_meta(step, kept, covered, metrics)
+        self._commit(meta, [x.sample_id for x in samples], self._ledger_records(step, kept))
+
+    def _ledger_records(self, step: int, kept: list[Polled]) -> list[TrainStep]:
+        """The step's TrainStep records: every covered record with its verdict."""
+        w = self.window
+        verdicts: tuple[tuple[Verdict, list[Polled]], ...] = (
+            ("trained", kept), ("stale", w.stale), ("duplicate", w.duplicates), ("dlq", w.dlq),
+            ("skipped", w.skipped),
+        )  # fmt: skip
+        entries = [
+            StepSample.of(v, e.partition, e.offset, e.sample) for v, es in verdicts for e in es
+        ]
+        return step_records(
+            step, policy_version=step, ts=time.time(), topic=self.topics.samples, samples=entries
+        )
 
     def _step_meta(
         self, step: int, kept: list[Polled], covered: list[Polled], metrics: dict[str, float]
@@ -435,11 +560,13 @@ class Trainer:
             train_config=self.settings.train_config(),
         )
 
-    def _commit(self, meta: CheckpointMeta, sample_ids: list[str]) -> None:
+    def _commit(self, meta: CheckpointMeta, sample_ids: list[str], ledger: list[TrainStep]) -> None:
         """Checkpoint (atomic) with the duplicate window grown by ``sample_ids`` (the step's
-        trained samples), then publish the PolicyVersion, then commit group offsets."""
+        trained samples), then publish the PolicyVersion, then send the step's ``ledger``
+        (spooled before the checkpoint), then commit group offsets."""
         s, step = self.settings, meta.step
         self.source.flush()  # dead letters are durable before offsets move past them
+        self.ledger.spool(step, ledger)  # a start forgets it unless the checkpoint commits
         # the window as of this step; if the save fails the trainer stops (run raises) and a
         # restart reads the window of the last committed step
         for sample_id in sample_ids:
@@ -460,6 +587,7 @@ class Trainer:
         self.window = _Window(StalenessFilter(s.train_max_staleness))
         self._debug_pause("committed", step)
         self._publish(ckpt)
+        self.ledger.send()
         self._debug_pause("published", step)
         if s.train_commit_offsets:
             self.source.commit(self.offsets)
@@ -522,6 +650,7 @@ class Trainer:
     def close(self) -> None:
         try:
             close_producer(self.producer, self.settings.train_publish_timeout_s)
+            self.ledger.close(min(self.settings.train_publish_timeout_s, 10.0))
         finally:
             self.source.close()
 

@@ -4,7 +4,9 @@ service's queue through the proxy (rollouts/jobqueue.py does the Kafka side):
     POST /v1/jobs            admin key  a job spec as JSON (rollouts/jobs.py JobSpec)
                                         -> 202 {job_id, rollouts, topic}
     GET  /v1/jobs            admin key  -> {"jobs": [one row per job]}
-    GET  /v1/jobs/{job_id}   admin key  -> the job's status (rollouts/jobstatus.py JobStatus)
+    GET  /v1/jobs/{job_id}   admin key  -> the job's status (rollouts/jobstatus.py JobStatus),
+                                        with "training": its samples trained and dropped
+                                        (stale, duplicate, skipped) and rollouts wasted
 
 A spec that cannot be used is a 400 whose ``param`` is the path of the bad value
 (``agent.max_turns``); ``tasks.path`` is refused (400, param ``tasks.path``): files on the

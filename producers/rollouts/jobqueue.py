@@ -8,7 +8,9 @@ one stands. The I/O shell around stages.py (what a job puts on the topics) and j
     list_jobs(settings)            -> [JobRecord] every record of <ns>.rollout.jobs, in order
     cancel_job(settings, id, why)  -> JobRecord   a cancelled record on <ns>.rollout.jobs
     job_status(settings, id)       -> JobStatus   its records, and the events of its rollouts
-                                                  on <ns>.rollout.events from its submit time
+                                                  on <ns>.rollout.events and the trainer's
+                                                  ledger on <ns>.trainer.steps, both from
+                                                  its submit time
 
 Nothing acknowledged is lost: every write waits for the broker's acknowledgement of every
 record (``acks=all``, idempotent producer) and raises ``JobQueueError`` when one is refused or
@@ -20,7 +22,7 @@ can both pass that check, which makes them one job for the same reason.
 
 Every read is bounded: it reads each partition up to the end it had when the read began and
 gives up after ``timeout`` seconds (``JobQueueError``). Undecodable records are skipped and
-counted in the log, never fatal.
+counted in the log, never fatal; so is a missing ``trainer.steps`` topic (no training shown).
 
 Errors::
 
@@ -53,7 +55,15 @@ from rollstream.producers.rollouts.stages import (
     first_messages,
     job_record,
 )
-from rollstream.schemas import CommonSettings, DecodeError, Event, RolloutStarted, StageEvent
+from rollstream.schemas import (
+    CommonSettings,
+    DecodeError,
+    Event,
+    RolloutStarted,
+    SchemaError,
+    StageEvent,
+    decode_step,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -186,9 +196,11 @@ def _read(
     deadline: float,
     *,
     since_ms: int | None = None,
+    missing_ok: bool = False,
 ) -> Iterator[Message]:
     """Every message of ``topic`` (from ``since_ms``, a timestamp, else the beginning) up to
-    the end each partition had when the read began."""
+    the end each partition had when the read began; none when ``topic`` does not exist and
+    ``missing_ok``."""
 
     def left() -> float:
         return max(0.1, deadline - time.monotonic())
@@ -199,6 +211,9 @@ def _read(
         raise JobQueueError(f"cannot list {topic}: {exc}") from exc
     meta = md.topics.get(topic)
     if meta is None or meta.error is not None:
+        if missing_ok:
+            log.warning("topic %s does not exist: nothing read from it", topic)
+            return
         raise JobQueueError(f"topic {topic} does not exist (`rollstream topics` creates it)")
     try:
         ends = {p: watermarks(consumer, TopicPartition(topic, p), left()) for p in meta.partitions}
@@ -269,7 +284,8 @@ def job_status(
 ) -> JobStatus:
     """Where ``job_id`` stands: its records and the events of its rollouts, from its submit
     time (less ``CLOCK_SKEW_S``) to the end of ``<ns>.rollout.events`` as it was when the read
-    began, folded (jobstatus.py). ``JobNotFound`` for an unknown id."""
+    began, then the trainer's ledger over the same time (entries of the rollouts read), folded
+    (jobstatus.py). ``JobNotFound`` for an unknown id."""
     deadline = time.monotonic() + timeout
     records = [r for r in read_jobs(settings, timeout) if r.job_id == job_id]
     submitted = [r for r in records if r.type == "submitted"]
@@ -308,7 +324,27 @@ def job_status(
             log.warning("%s: %d undecodable records skipped", topic, bad)
 
     _reading(settings, use)
+    _reading(settings, lambda c: _feed_ledger(c, settings, fold, since_ms, deadline))
     return fold.status()
+
+
+def _feed_ledger(
+    consumer: Consumer, settings: CommonSettings, fold: JobFold, since_ms: int, deadline: float
+) -> None:
+    """Fold the ledger records of ``<ns>.trainer.steps`` from ``since_ms``, each cut to the
+    entries of rollouts the fold holds (the others cannot be the job's)."""
+    topic, rollouts, bad = settings.topics().trainer_steps, fold.state.rollouts, 0
+    for msg in _read(consumer, topic, deadline, since_ms=since_ms, missing_ok=True):
+        try:
+            record = decode_step(msg.value() or b"")
+        except SchemaError:
+            bad += 1
+            continue
+        ours = [e for e in record.samples if e.rollout_id in rollouts]
+        if ours:
+            fold.feed([record.model_copy(update={"samples": ours})])
+    if bad:
+        log.warning("%s: %d undecodable records skipped", topic, bad)
 
 
 def _names_job(event: Event, job_id: str) -> bool:

@@ -33,6 +33,14 @@ ends.
 
 Job state: ``cancelled`` after a cancelled record; ``done`` when every planned rollout has
 finished; ``running`` once any rollout of it started; ``queued`` before.
+
+Training (``JobTraining``), from the trainer's ledger on ``trainer.steps`` (``TrainStep``
+items, schemas/steps.py), joined by rollout id: the job's sample records trained and dropped
+(stale, duplicate, skipped), their tokens, the rollouts with a sample trained, and the rollouts
+*wasted*: finished, none of their samples trained, at least one dropped stale (generated for
+nothing). The ledger is folded by ``steps.Verdicts``: one fact per sample record, keyed by its
+coordinates, so a ledger record folded twice changes nothing. Dead letters carry no ids and
+count for no job.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeAlias
 
 from rollstream.producers.rollouts.jobs import rollout_id
 from rollstream.producers.rollouts.stages import STAGES, JobRecord
@@ -54,14 +62,19 @@ from rollstream.schemas import (
     RolloutStatus,
     StageEvent,
     StagePhase,
+    TrainStep,
+    Verdicts,
 )
 
 __all__ = [
+    "DROP_VERDICTS",
     "FINISHED_STATES",
+    "MAX_WASTED_LISTED",
     "JobFold",
     "JobState",
     "JobStatus",
     "JobTotals",
+    "JobTraining",
     "PlanState",
     "PlanStatus",
     "StageCounts",
@@ -78,6 +91,8 @@ PlanState = Literal[
 JobStateName = Literal["queued", "running", "done", "cancelled"]
 FINISHED_STATES: Final[frozenset[str]] = frozenset({"completed", "failed", "timeout", "aborted"})
 MAX_REASON: Final = 500  # characters of a reason shown per plan
+MAX_WASTED_LISTED: Final = 100  # wasted rollout ids listed (all are counted)
+DROP_VERDICTS: Final = ("stale", "duplicate", "skipped")  # a job's samples can be dropped so
 
 _END: Final[dict[str, PlanState]] = {
     RolloutStatus.COMPLETED: "completed",
@@ -118,6 +133,7 @@ class JobState:
     cancelled: JobRecord | None = None
     rollouts: dict[str, _Rollout] = field(default_factory=dict)
     events: int = 0  # distinct events folded (of the kinds the status reads)
+    ledger: Verdicts = field(default_factory=Verdicts)  # trainer.steps, by rollout id
 
 
 def _earliest(current: JobRecord | None, record: JobRecord) -> JobRecord:
@@ -131,10 +147,17 @@ def _sample_of(metadata: Mapping[str, str]) -> int | None:
     return int(raw) if raw.isdigit() and len(raw) <= 6 else None
 
 
-def apply(state: JobState, item: JobRecord | Event) -> JobState:
-    """Fold one record of ``rollout.jobs`` or one event of ``rollout.events`` into ``state``.
-    Records of other jobs and events that say nothing about a job's progress (model and tool
-    calls, ...) change nothing."""
+Item: TypeAlias = JobRecord | Event | TrainStep
+
+
+def apply(state: JobState, item: Item) -> JobState:
+    """Fold one record of ``rollout.jobs``, one event of ``rollout.events`` or one ledger
+    record of ``trainer.steps`` into ``state``. Records of other jobs and events that say
+    nothing about a job's progress (model and tool calls, ...) change nothing; ledger entries
+    are kept by rollout id until ``view`` knows which rollouts are the job's."""
+    if isinstance(item, TrainStep):
+        state.ledger.add(item)
+        return state
     if isinstance(item, JobRecord):
         if item.job_id == state.job_id:
             if item.type == "submitted":
@@ -186,7 +209,7 @@ class JobFold:
     def __init__(self, job_id: str) -> None:
         self.state = JobState(job_id)
 
-    def feed(self, items: Iterable[JobRecord | Event]) -> JobFold:
+    def feed(self, items: Iterable[Item]) -> JobFold:
         for item in items:
             apply(self.state, item)
         return self
@@ -195,8 +218,8 @@ class JobFold:
         return view(self.state)
 
 
-def fold(job_id: str, items: Iterable[JobRecord | Event]) -> JobStatus:
-    """The status of ``job_id`` from its records and events, in any order."""
+def fold(job_id: str, items: Iterable[Item]) -> JobStatus:
+    """The status of ``job_id`` from its records, events and ledger records, in any order."""
     return JobFold(job_id).feed(items).status()
 
 
@@ -243,6 +266,51 @@ class JobTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class JobTraining:
+    """What the trainer did with the job's samples (sample records of the samples topic).
+    ``samples_dropped`` by verdict; ``tokens_stale``: tokens of the stale ones;
+    ``rollouts_wasted``: finished rollouts none of whose samples was trained and at least one
+    dropped stale (``wasted``: the first ``MAX_WASTED_LISTED`` of their ids, sorted);
+    ``first_step``/``last_step``: the steps that trained its samples (None: none did)."""
+
+    samples_trained: int = 0
+    samples_dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_VERDICTS, 0))
+    tokens_trained: int = 0
+    tokens_stale: int = 0
+    rollouts_trained: int = 0
+    rollouts_wasted: int = 0
+    wasted: list[str] = field(default_factory=list)
+    first_step: int | None = None
+    last_step: int | None = None
+
+
+def _training(state: JobState, rollouts: Iterable[tuple[str, _Rollout]]) -> JobTraining:
+    dropped = dict.fromkeys(DROP_VERDICTS, 0)
+    trained = tokens = stale_tokens = trained_rollouts = 0
+    steps: list[int] = []
+    wasted: list[str] = []
+    for rid, ro in rollouts:
+        facts = state.ledger.of(rid)
+        verdicts = [f.verdict for f in facts]
+        for step, verdict, _, n in facts:
+            if verdict == "trained":
+                trained, tokens = trained + 1, tokens + n
+                steps.append(step)
+            elif verdict in dropped:
+                dropped[verdict] += 1
+                stale_tokens += n if verdict == "stale" else 0
+        if "trained" in verdicts:
+            trained_rollouts += 1
+        elif "stale" in verdicts and ro.finished is not None:
+            wasted.append(rid)
+    wasted.sort()
+    return JobTraining(
+        trained, dropped, tokens, stale_tokens, trained_rollouts, len(wasted),
+        wasted[:MAX_WASTED_LISTED], min(steps, default=None), max(steps, default=None),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class JobStatus:
     job_id: str
     state: JobStateName
@@ -252,6 +320,7 @@ class JobStatus:
     submitted: JobRecord | None = None
     cancelled: JobRecord | None = None
     events: int = 0
+    training: JobTraining = field(default_factory=JobTraining)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -263,6 +332,7 @@ class JobStatus:
             "submitted": self.submitted.model_dump(mode="json") if self.submitted else None,
             "cancelled": self.cancelled.model_dump(mode="json") if self.cancelled else None,
             "events": self.events,
+            "training": asdict(self.training),
         }
 
 
@@ -328,9 +398,11 @@ def view(state: JobState) -> JobStatus:
             for sample in range(sub.samples_per_task):
                 by_plan[(task, sample)] = []
     others: dict[tuple[str, int], list[tuple[int, str, _Rollout]]] = {}
+    members: list[tuple[str, _Rollout]] = []
     for rid, ro in state.rollouts.items():
         if ro.started is None or not _belongs(state, rid, ro, pattern):
             continue
+        members.append((rid, ro))
         _, task, attempt, known, _ = ro.started
         sample = known if known is not None else _sample_from_id(job_id, task, attempt, rid, sub)
         into = by_plan if (task, sample) in by_plan else others
@@ -399,6 +471,7 @@ def view(state: JobState) -> JobStatus:
         submitted=sub,
         cancelled=state.cancelled,
         events=state.events,
+        training=_training(state, members),
     )
 
 
