@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.errors import TrainerError
@@ -93,6 +93,8 @@ from rollstream.consumers.training.checkpoint import (
     read_manifests,
 )
 from rollstream.consumers.training.dataset import Polled, SampleSource, close_producer
+from rollstream.consumers.training.ledger import StepLedger
+from rollstream.consumers.training.metrics import TrainerMetrics
 from rollstream.consumers.training.retrain_plan import ManifestFollower
 from rollstream.consumers.training.settings import DEBUG_STAGES, TRAINER_GROUP, TrainerSettings
 from rollstream.consumers.training.step import build_optimizer, load_policy, train_step
@@ -158,93 +160,6 @@ def _coords(entries: list[Polled]) -> list[tuple[int, int]]:
     return [(e.partition, e.offset) for e in entries]
 
 
-class _StepLedger:
-    """TrainStep records of committed steps (module docstring): spooled, then sent without
-    waiting; a step's file goes once every part is acknowledged. At most ``MAX_SPOOL`` files
-    are kept (the oldest are dropped, logged) when the topic refuses them for that long."""
-
-    MAX_SPOOL = 10_000
-
-    def __init__(self, root: Path, topic: str, kafka: dict[str, str], *, fsync: bool) -> None:
-        self.dir, self.topic, self.fsync = root / "train-steps", topic, fsync
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.producer = Producer({**kafka, "enable.idempotence": True, "acks": "all"})
-        self.in_flight: dict[int, int] = {}  # step -> parts not acknowledged yet
-        self.failed: set[int] = set()  # steps with a part refused: sent again
-
-    def _files(self) -> dict[int, Path]:
-        found = ((p, p.stem.removeprefix("step-")) for p in self.dir.glob("step-*.jsonl"))
-        return {int(n): p for p, n in found if n.isdigit()}
-
-    def forget_after(self, step: int) -> None:
-        """Remove the files of steps past ``step`` (written, never committed)."""
-        for n, path in self._files().items():
-            if n > step:
-                path.unlink(missing_ok=True)
-
-    def spool(self, step: int, records: list[TrainStep]) -> None:
-        path = self.dir / f"step-{step:08d}.jsonl"
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("wb") as f:
-            f.writelines(r.encode() + b"\n" for r in records)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if self.fsync:
-            fd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        files = sorted(self._files().items())
-        for n, old in files[: max(0, len(files) - self.MAX_SPOOL)]:
-            log.error("ledger: step %d never acknowledged by %s; dropped", n, self.topic)
-            old.unlink(missing_ok=True)
-
-    def _delivered(self, step: int, path: Path) -> Callable[[KafkaError | None, Message], None]:
-        def done(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                self.failed.add(step)
-            self.in_flight[step] -= 1
-            if self.in_flight[step] == 0:
-                del self.in_flight[step]
-                if step in self.failed:
-                    log.warning("ledger: step %d not acknowledged by %s: %s (sent again "
-                                "after the next step)", step, self.topic, err)  # fmt: skip
-                else:
-                    path.unlink(missing_ok=True)
-
-        return done
-
-    def send(self) -> None:
-        """Send every spooled step not in flight, oldest first; never raises."""
-        self.producer.poll(0)
-        for step, path in sorted(self._files().items()):
-            if step in self.in_flight:
-                continue
-            self.failed.discard(step)
-            lines = path.read_bytes().splitlines()
-            self.in_flight[step] = len(lines)
-            for n, line in enumerate(lines):
-                try:
-                    self.producer.produce(self.topic, line, str(step).encode(),
-                                          on_delivery=self._delivered(step, path))  # fmt: skip
-                except (BufferError, KafkaException) as exc:
-                    log.warning("ledger: step %d not sent to %s: %s", step, self.topic, exc)
-                    self.in_flight[step] -= len(lines) - n
-                    if self.in_flight[step] <= 0:
-                        del self.in_flight[step]
-                    else:
-                        self.failed.add(step)
-                    return
-
-    def close(self, timeout: float) -> None:
-        """Send what is spooled and wait up to ``timeout`` s; the rest stays for the next start."""
-        self.send()
-        close_producer(self.producer, timeout)
-
-
 class Trainer:
     """One trainer process: model, optimizer, checkpoint store, sample source, producer."""
 
@@ -280,8 +195,10 @@ class Trainer:
         self.trained_ids = TrainedIds(s.train_dedup_window)
         self.offsets: dict[int, int] = {}  # samples topic: next offset per partition
         self.resumed_from: int | None = None
+        self.metrics = TrainerMetrics()
         if self.latest is not None:
             meta = self.store.restore(self.latest, self.model, self.optimizer)
+            self.metrics.resume(meta)
             self.step = meta.step
             self.samples_trained, self.tokens_trained = meta.samples_trained, meta.tokens_trained
             self.counters.update(meta.counters)
@@ -310,12 +227,13 @@ class Trainer:
         self.producer = Producer(
             {**s.kafka_config(), "enable.idempotence": True, "acks": "all", "linger.ms": 0}
         )
-        self.ledger = _StepLedger(
+        self.ledger = StepLedger(
             self.store.root, self.topics.trainer_steps, s.kafka_config(), fsync=s.checkpoint_fsync
         )
         self.ledger.forget_after(self.step)
         self._stop = False
         self._reset()
+        self.metrics_server = self.metrics.serve(s)
 
     # -- state of the open batch and the uncommitted window
 
@@ -584,6 +502,7 @@ class Trainer:
         self.offsets = meta.offsets[self.topics.samples]
         self.samples_trained, self.tokens_trained = meta.samples_trained, meta.tokens_trained
         self.counters = dict(meta.counters)
+        self.metrics.observe_step(meta)
         self.window = _Window(StalenessFilter(s.train_max_staleness))
         self._debug_pause("committed", step)
         self._publish(ckpt)
@@ -653,6 +572,8 @@ class Trainer:
             self.ledger.close(min(self.settings.train_publish_timeout_s, 10.0))
         finally:
             self.source.close()
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
 
     def __enter__(self) -> Trainer:
         return self
