@@ -7,6 +7,7 @@ Routes (request and response shapes follow vLLM's OpenAI server; docs/model-serv
                                 ``logprobs`` + ``return_tokens_as_token_ids`` ("token_id:N")
     POST /v1/chat/completions   plain chat: messages rendered with the model's chat template
     GET  /v1/models             model card (max_model_len, policy_version)
+    GET  /openapi.json          every route, its bounds and errors (openapi.py)
     GET  /health                200 once the model is loaded, 503 before
     GET  /v1/policy_version     {"policy_version", "weights_path", "loaded_at"}
     GET  /v1/load               {"queued", "running", "paused", "policy_version"}
@@ -17,6 +18,11 @@ Routes (request and response shapes follow vLLM's OpenAI server; docs/model-serv
     POST /update_weight_version {"new_version": "N"}   GET /weight_info
   and the probes (docs/metrics.md): GET /metrics (``metrics_key``), /livez, /readyz. Ready:
   the model is loaded, its scheduler runs, and it is not paused (a weight update).
+
+Auth: with ``model_api_key`` set (vLLM's ``--api-key``), every route but ``/health`` and the
+probes answers 401 without ``Authorization: Bearer KEY``: generation and the weight routes alike
+(the proxy sends ``proxy_backend_api_key``; harnesses never learn the server's address). Unset,
+the server is open and warns at start.
 
 The rooms: settings.py (ModelServerSettings), engine.py (the model's worker thread and the
 batching scheduler), wire.py (request checks and response bodies), this module (routes).
@@ -29,7 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import logging
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -45,10 +54,18 @@ from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.inference import wire
 from rollstream.inference.engine import Engine, Scheduler
 from rollstream.inference.errors import RequestRefused, TinyModelError
+from rollstream.inference.openapi import OPENAPI
 from rollstream.inference.settings import ModelServerSettings
 from rollstream.inference.tinymodel import GenerationResult
 
 __all__ = ["ModelMetrics", "create_app", "run"]
+
+
+log = logging.getLogger(__name__)
+
+
+POLICY_VERSION_DIGITS = 16  # 2**53 - 1 has 16: ASCII digits only ("²".isdigit() is True)
+_VERSION = re.compile(rf"[0-9]{{1,{POLICY_VERSION_DIGITS}}}\Z")
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -56,7 +73,10 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 
 
 async def _json(request: Request, limit: int = 64 * 1024) -> dict[str, Any]:
-    return wire.parse_json(await request.body(), limit)
+    try:
+        return wire.parse_json(await request.body(), limit)
+    except UnicodeDecodeError as exc:  # json.loads reads UTF-16/32 by the first bytes: a 400
+        raise RequestRefused(f"invalid JSON: {exc}") from exc
 
 
 class ModelMetrics:
@@ -231,14 +251,18 @@ class _Api:
         body = await _json(request)
         if body.get("method") != "reload_weights":
             raise RequestRefused("only method 'reload_weights' is supported", param="method")
-        await self._reload((body.get("kwargs") or {}).get("weights_path"), None)
+        kwargs = body.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise RequestRefused("`kwargs` must be an object", param="kwargs")
+        await self._reload(kwargs.get("weights_path"), None)
         return JSONResponse({"results": [None]})
 
     async def update_weight_version(self, request: Request) -> Response:
         self.live()
         new = (await _json(request)).get("new_version")
-        if not isinstance(new, str | int) or not str(new).isdigit():
-            raise RequestRefused("`new_version` must be an integer string", "new_version")
+        if isinstance(new, bool) or not isinstance(new, str | int) or not _VERSION.match(str(new)):
+            msg = f"`new_version` must be an integer of at most {POLICY_VERSION_DIGITS} digits"
+            raise RequestRefused(msg, "new_version")
         self.engine.version = int(new)
         return JSONResponse({"success": True, "new_version": str(new)})
 
@@ -247,10 +271,30 @@ class _Api:
         return JSONResponse({"weight_version": str(self.engine.version)})
 
 
+OPEN_ROUTES: frozenset[str] = frozenset({"/health"})  # answered without the key
+
+
+def _authorized(request: Request, key: bytes | None) -> bool:
+    if key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    try:
+        raw = token.strip().encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(raw, key)
+
+
 def _guard(
-    handler: Callable[[Request], Awaitable[Response]], route: str, metrics: ModelMetrics
+    handler: Callable[[Request], Awaitable[Response]],
+    route: str,
+    metrics: ModelMetrics,
+    key: bytes | None = None,
 ) -> Callable[[Request], Any]:
     async def answer(request: Request) -> Response:
+        if route not in OPEN_ROUTES and not _authorized(request, key):
+            return _error("a valid API key is required (Authorization: Bearer KEY)", 401)
         try:
             return await handler(request)
         except RequestRefused as exc:
@@ -286,8 +330,17 @@ def create_app(settings: ModelServerSettings) -> Starlette:
             sched.close()
 
     get, post = ["GET"], ["POST"]
+    secret = settings.model_api_key
+    key = secret.get_secret_value().encode() if secret and secret.get_secret_value() else None
+    if key is None:
+        log.warning(
+            "!!! no model_api_key set: the model server on %s:%d generates and loads weights "
+            "for anyone who can reach it (set ROLLSTREAM_MODEL_API_KEY) !!!",
+            settings.model_host,
+            settings.model_port,
+        )
     routes = [
-        Route(path, _guard(handler, path, api.metrics), methods=methods)
+        Route(path, _guard(handler, path, api.metrics, key), methods=methods)
         for path, handler, methods in [
             ("/v1/completions", api.completions, post),
             ("/v1/chat/completions", api.chat_completions, post),
@@ -304,6 +357,7 @@ def create_app(settings: ModelServerSettings) -> Starlette:
             ("/weight_info", api.weight_info, get),
         ]
     ]
+    routes.append(Route("/openapi.json", lambda _: JSONResponse(OPENAPI), methods=get))
     routes += metrics_routes(api.metrics.service, settings.metrics_key)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.metrics = api.metrics

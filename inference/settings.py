@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import SecretStr
+
 from rollstream.schemas.settings import CommonSettings
 
 __all__ = ["LogprobsMode", "ModelServerSettings"]
@@ -35,6 +37,9 @@ class ModelServerSettings(CommonSettings):
     model_device: str = "cpu"  # torch device of the model
     model_torch_threads: int | None = 1  # None: torch default (all cores); 1 is robust on CPU
     model_log_level: str = "warning"  # uvicorn's log level
+    # Bearer key every route but /health and the probes asks for (vLLM's --api-key; the proxy
+    # sends its ROLLSTREAM_PROXY_BACKEND_API_KEY). Unset: open, and the server warns at start.
+    model_api_key: SecretStr | None = None
 
     def resolved_model_path(self) -> Path:
         return self.model_path if self.model_path is not None else self.home / "models" / "tiny"

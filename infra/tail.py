@@ -9,16 +9,18 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
+from pydantic import BaseModel
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.schemas import Codec, CommonSettings, DecodeError, Event
 from rollstream.schemas.control import decode_decision, decode_report
 from rollstream.schemas.errors import SchemaError
+from rollstream.schemas.steps import decode_step
 from rollstream.schemas.topics import (
     CONTROL_DECISIONS,
     CONTROL_WORKERS,
@@ -26,6 +28,7 @@ from rollstream.schemas.topics import (
     EVENTS,
     POLICY,
     SAMPLES,
+    TRAINER_STEPS,
     TRAJECTORIES,
 )
 
@@ -40,6 +43,8 @@ _ALIASES = {
     "policy.versions": POLICY,
     "decisions": CONTROL_DECISIONS,
     "workers": CONTROL_WORKERS,
+    "steps": TRAINER_STEPS,
+    TRAINER_STEPS: TRAINER_STEPS,
     CONTROL_DECISIONS: CONTROL_DECISIONS,
     CONTROL_WORKERS: CONTROL_WORKERS,
     EVENTS: EVENTS,
@@ -113,8 +118,13 @@ def decode_message(codec: Codec, msg: Any) -> dict[str, Any]:
     if headers:
         coords["headers"] = headers
     topic = msg.topic() or ""
-    for base, decode in ((CONTROL_DECISIONS, decode_decision), (CONTROL_WORKERS, decode_report)):
-        if topic.endswith(base):  # the control records are JSON (schemas/control.py)
+    json_topics: tuple[tuple[str, Callable[[bytes], BaseModel]], ...] = (
+        (CONTROL_DECISIONS, decode_decision),
+        (CONTROL_WORKERS, decode_report),
+        (TRAINER_STEPS, decode_step),
+    )
+    for base, decode in json_topics:
+        if topic.endswith(base):  # JSON records (schemas/control.py, schemas/steps.py)
             try:
                 control = decode(msg.value() or b"")
             except SchemaError as exc:

@@ -55,6 +55,7 @@ from starlette.staticfiles import StaticFiles
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.analytics import reports, ui_api
+from rollstream.consumers.analytics.openapi import openapi
 from rollstream.consumers.analytics.protocol import (
     LAST_HEADER,
     RECORDS_HEADER,
@@ -351,9 +352,16 @@ def create_app(
         params = ui_api.parse_params(spec, [(k, v) for k, v in raw if k != "namespace"])
         return _json(await run_in_threadpool(store.call, ui_data, spec, params, db))
 
+    views = {v.name: {k: p.type for k, p in v.params.items()} for v in reports.VIEWS.values()}
+    document = openapi(views)
+
+    async def openapi_json(request: Request) -> Response:
+        return _json(document)
+
     return Starlette(
         routes=[
             Route("/health", health),
+            Route("/openapi.json", openapi_json),  # open, as /health: no data
             Route("/query", endpoint(run_query), methods=["POST"]),
             Route("/reports", endpoint(list_views)),
             Route("/reports/{view}", endpoint(run_view)),

@@ -145,9 +145,16 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/admin/update_weights", "post", "pause, drain, reload every backend, resume",
      "adminKey", _WEIGHTS, "400 401 503"),
     ("/v1/admin/status", "get", "backends, pool and delivery counters", "adminKey", None, _ADMIN),
-    ("/health", "get", "liveness", None, None, ""),
+    ("/health", "get", "ok while a backend is healthy, 503 (degraded) while none is", None, None,
+     "503"),
     ("/openapi.json", "get", "this document", None, None, ""),
 ]  # fmt: skip
+
+
+_PATH_PARAMS = {
+    "rollout_id": {"type": "string", "minLength": 1},
+    "job_id": {"type": "string", "minLength": 1, "maxLength": 40, "pattern": "^[A-Za-z0-9_-]+$"},
+}
 
 
 def _openapi() -> dict[str, Any]:
@@ -159,6 +166,12 @@ def _openapi() -> dict[str, Any]:
         op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "ok"}}}
         for code in codes.split():
             op["responses"][code] = {"description": ERROR_TYPES[int(code)], **error}
+        names = [name for name in _PATH_PARAMS if "{" + name + "}" in path]
+        if names:
+            op["parameters"] = [
+                {"name": n, "in": "path", "required": True, "schema": _PATH_PARAMS[n]}
+                for n in names
+            ]
         if body is not None:
             op["requestBody"] = {
                 "required": True,

@@ -188,3 +188,17 @@ def test_tail_shows_control_records_as_json() -> None:
     bad = decode_message(Codec(), _Msg("ns.control.decisions", b'{"ts": -1}'))
     assert "CapacityDecision" in bad["error"]
     assert resolve_topic(CommonSettings(namespace="ns"), "decisions") == "ns.control.decisions"
+
+
+def test_tail_shows_the_trainer_ledger_as_json() -> None:
+    from rollstream.infra.tail import decode_message, resolve_topic
+    from rollstream.schemas import Codec, CommonSettings
+    from rollstream.schemas.steps import StepSample, step_records
+
+    entry = StepSample(verdict="stale", partition=0, offset=3, sample_id="s", rollout_id="r")
+    (record,) = step_records(3, policy_version=3, ts=1.0, topic="ns.samples", samples=[entry])
+    out = decode_message(Codec(), _Msg("ns.trainer.steps", record.encode()))
+    assert out["type"] == "TrainStep" and out["samples"][0]["verdict"] == "stale"
+    bad = decode_message(Codec(), _Msg("ns.trainer.steps", b"{}"))
+    assert "error" in bad
+    assert resolve_topic(CommonSettings(namespace="ns"), "steps") == "ns.trainer.steps"

@@ -339,3 +339,32 @@ def test_every_inference_error_has_the_one_root() -> None:
                 found.append(cls)
                 assert issubclass(cls, InferenceError), cls
     assert {c.__name__ for c in found} >= {"TinyModelError", "CheckpointError", "RequestRefused"}
+
+
+def test_an_api_key_guards_every_route_but_health(server: Server) -> None:
+    from pydantic import SecretStr
+    from starlette.testclient import TestClient
+
+    settings = ModelServerSettings(
+        model_path=server.model_path,
+        model_create=False,
+        home=server.tmp / "home-keyed",
+        model_api_key=SecretStr("model-key"),
+    )
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/health").status_code == 200
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        for method, path, payload in [
+            ("POST", "/v1/completions", body),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/load_weights", {"path": "/nowhere", "version": 1}),
+            ("POST", "/pause", None),
+            ("POST", "/update_weight_version", {"new_version": "7"}),
+        ]:
+            latin = "Bearer k\xe9".encode("latin-1")  # a non-ASCII key: 401, not 500
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": latin}):
+                r = client.request(method, path, json=payload, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+        ok = {"Authorization": "Bearer model-key"}
+        assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert client.get("/weight_info", headers=ok).json()["weight_version"] == "0"
