@@ -8,6 +8,7 @@ carrying the HTTP status and the offending parameter, answered with ``error_body
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -65,8 +66,16 @@ def number(
         raise RequestRefused(
             f"`{key}` must be {'an integer' if kind is int else 'a number'}", param=key
         )
+    if isinstance(value, float) and not math.isfinite(
+        value
+    ):  # NaN, Infinity: JSON-ish
+        raise RequestRefused(f"`{key}` must be a finite number", param=key)
     if lo is not None and value < lo:
         raise RequestRefused(f"`{key}` must be >= {lo}", param=key)
+    if (
+        isinstance(value, int) and abs(value) > 2**53 - 1
+    ):  # JSON-safe ints
+        raise RequestRefused(f"`{key}` must be within ±(2**53 - 1)", param=key)
     return kind(value)
 
 

@@ -427,21 +427,23 @@ class BackendPool:
                 if not await self.drain():
                     raise PoolError(f"drain timed out with {self._inflight} calls in flight")
                 drained = time.perf_counter() - t0
-                self._target = (path, version)
                 live = [m for m in self.members if m.healthy]
                 results = await asyncio.gather(
                     *(m.backend.reload_weights(path, version) for m in live),
                     return_exceptions=True,
                 )
-                failed = {}
+                failed = {m.name: str(r) for m, r in zip(live, results, strict=True)
+                          if isinstance(r, BaseException)}  # fmt: skip
+                if live and len(failed) == len(live):
+                    # no backend loaded it (a bad path): they all still serve what they served,
+                    # so none is taken out and the target stays the last good one
+                    raise PoolError(f"no backend could load {path}: {failed}")
+                self._target = (path, version)
                 for m, r in zip(live, results, strict=True):
-                    if isinstance(r, BaseException):
-                        failed[m.name] = str(r)
+                    if isinstance(r, BaseException):  # the health loop reloads it to the target
                         self._mark_down(m, f"reload failed: {r}")
                     else:
                         m.policy_version = int(r)
-                if live and len(failed) == len(live):
-                    raise PoolError(f"no backend could load {path}: {failed}")
                 self._counts["weight_updates"] += 1
                 return {
                     "policy_version": version, "reloaded": len(live) - len(failed),

@@ -368,3 +368,18 @@ def test_an_api_key_guards_every_route_but_health(server: Server) -> None:
         ok = {"Authorization": "Bearer model-key"}
         assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert client.get("/weight_info", headers=ok).json()["weight_version"] == "0"
+
+
+def test_sampling_numbers_are_finite_and_bounded() -> None:
+    from rollstream.inference import wire
+    from rollstream.inference.errors import RequestRefused
+
+    for body, param in [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("-inf")}, "top_p"),
+        ({"seed": 2**64}, "seed"),
+    ]:
+        with pytest.raises(RequestRefused) as err:
+            wire.sampling(body, 64, 4, 0)
+        assert err.value.param == param

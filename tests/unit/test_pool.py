@@ -253,6 +253,14 @@ def test_a_backend_that_misses_an_update_reloads_before_serving() -> None:
         with pytest.raises(PoolError):
             await pool.update_weights("/ckpt/2", 2)
         assert not pool.paused  # resumed even when the update failed
+        # nobody loaded it (a bad path): every backend still serves version 1, none taken out,
+        # and the health loop does not chase the bad path
+        assert [m.healthy for m in pool.members] == [True, True] and pool.policy_version == 1
+        a.fail_reload = b.fail_reload = False
+        await pool.check_health()
+        assert a.reloads == [("/ckpt/1", 1)] and b.reloads == [("/ckpt/1", 1)]
+        out = await pool.complete("r9", [1], max_tokens=2)
+        assert out.policy_version == 1
         await pool.aclose()
 
     run(main)
