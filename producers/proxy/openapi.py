@@ -67,7 +67,7 @@ _RESPONSES = _schema(
 )  # fmt: skip
 _ROLLOUT = _schema(
     "task_id", task_id=_S, group_id=_S, rollout_id=_S, attempt=_COUNT, harness=_S,
-    group_size=_COUNT, run_id=_S,
+    group_size=_COUNT, run_id=_S, final_rewards={"enum": ["evaluator", "harness"]},
     sampling={"type": "object", "maxProperties": SAMPLING_MAX_KEYS, "additionalProperties": _N},
     metadata={"type": "object", "maxProperties": METADATA_MAX_KEYS},
 )  # fmt: skip

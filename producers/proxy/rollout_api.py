@@ -18,6 +18,11 @@ any other (a string, a bool, 1.7e308) is 400 naming ``value`` (or ``rewards[i].v
 nothing of that request is recorded: the stream processors would dead-letter it as
 ``bad_reward``. NaN, Infinity and 1e400 are not JSON numbers at all (400 ``invalid_json``).
 
+Final rewards: a rollout's harness (its token) may post partial, milestone and penalty rewards;
+a ``final`` reward is the evaluator's, posted with the admin key (403 naming ``kind`` for the
+token), unless the rollout was created with ``"final_rewards": "harness"`` (a harness that
+scores itself). So an agent cannot overwrite its evaluator's verdict.
+
 Tokens: ``rs1.<rollout_id>.<sig>`` with sig = base64url(HMAC-SHA256(secret, rollout_id)). A
 token opens only the rollout named in it: a bad signature is 401, a good token used on another
 rollout's URL is 403. Admin keys (``proxy_api_keys``) open everything; with no admin key set the
@@ -75,6 +80,9 @@ __all__ = [
 ]
 
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+# Who may post a rollout's final reward: its evaluator (the admin key; the default) or also its
+# harness (its rollout token), chosen by whoever creates the rollout.
+FINAL_REWARDS = ("evaluator", "harness")
 
 
 class RolloutTokens:
@@ -168,6 +176,7 @@ class OpenRollout:
     calls: int = 0
     errors: int = 0
     drift_tokens: int = 0
+    harness_final: bool = False  # created with final_rewards="harness": its token may score it
 
     @property
     def rollout_id(self) -> str:
@@ -186,7 +195,9 @@ class Rollouts:
         self.keep_finished = keep_finished
         self.created = 0
 
-    def create(self, *, rollout_id: str | None = None, **started: Any) -> OpenRollout:
+    def create(
+        self, *, rollout_id: str | None = None, harness_final: bool = False, **started: Any
+    ) -> OpenRollout:
         rid = rollout_id or str(ULID())
         if not ROLLOUT_ID.match(rid):
             raise ApiError(400, "rollout_id must match [A-Za-z0-9_-]{1,128}", param="rollout_id")
@@ -200,7 +211,7 @@ class Rollouts:
             )
         except RecorderUsageError as exc:  # a value past its bound (the message names it)
             raise ApiError(400, str(exc), code="invalid_value") from exc
-        ro = OpenRollout(handle)
+        ro = OpenRollout(handle, harness_final=harness_final)
         self.open[rid] = ro
         self.created += 1
         return ro
@@ -319,7 +330,12 @@ class RolloutApi:
         if not isinstance(task_id, str) or not task_id:
             raise ApiError(400, "`task_id` is required (a non-empty string)", param="task_id")
         sampling = _sampling(body.get("sampling") or None)
+        final_rewards = body.get("final_rewards", "evaluator")
+        if final_rewards not in FINAL_REWARDS:
+            msg = f"`final_rewards` must be one of {', '.join(map(repr, FINAL_REWARDS))}"
+            raise ApiError(400, msg, param="final_rewards")
         ro = self.rollouts.create(
+            harness_final=final_rewards == "harness",
             rollout_id=_opt_str(body, "rollout_id", None),
             task_id=task_id,
             group_id=_opt_str(body, "group_id", task_id) or task_id,
@@ -335,7 +351,7 @@ class RolloutApi:
         return json_answer({
             "rollout_id": rid, "task_id": task_id, "group_id": ro.handle.group_id,
             "base_url": f"{base}/rollouts/{rid}/v1", "token": self.auth.tokens.issue(rid),
-            "policy_version": ro.handle.policy_version,
+            "policy_version": ro.handle.policy_version, "final_rewards": final_rewards,
         }, 201)  # fmt: skip
 
     def _open(self, request: HttpRequest) -> OpenRollout:
@@ -419,6 +435,14 @@ class RolloutApi:
             at_call_id = _opt_str(item, "at_call_id", None)
             names = _opt_str(item, "name"), _opt_str(item, "evaluator")
             parsed.append((value, kind, names[0], at_call_id, names[1]))
+        harness = request.token is not None and self.auth.tokens.verify(request.token) is not None
+        if harness and not ro.harness_final and any(x[1] is RewardKind.FINAL for x in parsed):
+            i = next(i for i, x in enumerate(parsed) if x[1] is RewardKind.FINAL)
+            msg = ("a final reward of this rollout is its evaluator's (the admin key): the "
+                   "harness posts partial, milestone or penalty rewards; create the rollout with "
+                   'final_rewards="harness" to let its harness score it')  # fmt: skip
+            p = f"rewards[{i}].kind" if "rewards" in body else "kind"
+            raise ApiError(403, msg, code="forbidden", param=p)
         ids = []
         for value, kind, name, at_call_id, evaluator in parsed:
             try:

@@ -44,6 +44,7 @@ from rollstream.schemas import (
     LlmCall,
     PolicyVersion,
     Reward,
+    RewardKind,
     RolloutError,
     SandboxEvent,
     StageEvent,
@@ -267,9 +268,14 @@ def test_openai_client_multi_turn_with_tools(
         # the same tool call reported again (a retried request): answered, not recorded twice
         r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/tool_calls", json=tool, headers=auth)
         assert r.status_code == 200 and r.json()["duplicate"] is True, r.text
-        r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/rewards", json={"value": 1.0},
-                       headers=auth)  # fmt: skip
-        assert r.status_code == 200
+        rewards = f"{url}/v1/rollouts/{ro['rollout_id']}/rewards"
+        r = httpx.post(rewards, json={"value": 1.0}, headers=auth)  # final: the evaluator's
+        assert r.status_code == 403 and r.json()["error"]["param"] == "kind", r.text
+        r = httpx.post(rewards, json={"value": 0.5, "kind": "partial"}, headers=auth)
+        assert r.status_code == 200, r.text
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        r = httpx.post(rewards, json={"value": 1.0, "evaluator": "judge"}, headers=admin)
+        assert r.status_code == 200, r.text
         r = httpx.post(f"{url}/v1/rollouts/{ro['rollout_id']}/finish", json={},
                        headers={"Authorization": f"Bearer {ro['token']}"})  # fmt: skip
         assert r.json()["finished"] is True
@@ -278,7 +284,11 @@ def test_openai_client_multi_turn_with_tools(
     events = by_rollout(consume(kafka_settings))[ro["rollout_id"]]
     kinds = [e.kind for e in events]
     assert kinds == ["RolloutStarted", "LlmCall", "LlmCall", "LlmCall", "ToolCall", "Reward",
-                     "RolloutFinished"]  # fmt: skip
+                     "Reward", "RolloutFinished"]  # fmt: skip
+    rewards = [e.body for e in events if isinstance(e.body, Reward)]
+    assert [(r.kind, r.value, r.evaluator) for r in rewards] == [
+        (RewardKind.PARTIAL, 0.5, ""), (RewardKind.FINAL, 1.0, "judge")
+    ]  # fmt: skip
     (tool_event,) = [e.body for e in events if isinstance(e.body, ToolCall)]
     assert (tool_event.name, tool_event.result) == ("get_weather", "sunny, 21C")
     assert tool_event.at_call_id == calls_of(events)[-1].call_id
@@ -647,7 +657,7 @@ def test_bad_input_answers(kafka_settings: CommonSettings, tmp_path: Path, model
                                   proxy_max_body_bytes=4096, proxy_max_prompt_tokens=200,
                                   proxy_backend_wait_s=0.5, proxy_health_interval_s=60)  # fmt: skip
         with running_proxy(settings) as (url, recorder, proxy):
-            a, b = create_rollout(url), create_rollout(url)
+            a, b = create_rollout(url, final_rewards="harness"), create_rollout(url)
             chat_a = f"{a['base_url']}/chat/completions"
             auth = {"Authorization": f"Bearer {a['token']}"}
             ok = {"messages": [{"role": "user", "content": "hi"}]}
