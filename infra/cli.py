@@ -413,6 +413,32 @@ def _each(*names: str, help: str, setting: str, **options: Any) -> Flag:
     )
 
 
+# The replay's source and filters: `rollstream replay` and `rollstream retrain` take the same.
+_REPLAY_FILTERS = (
+    flag("--source", help="where the events come from", setting="replay_source"),
+    flag(
+        "--since",
+        help="rollouts started at or after this ISO time",
+        setting="replay_since",
+        metavar="TIME",
+    ),
+    flag(
+        "--until",
+        help="rollouts started before this ISO time",
+        setting="replay_until",
+        metavar="TIME",
+    ),
+    _each("--task", help="rollouts of this task", setting="replay_task_ids"),
+    _each("--group", help="rollouts of this GRPO group", setting="replay_group_ids"),
+    _each(
+        "--policy-version",
+        help="rollouts started under this policy version",
+        setting="replay_policy_versions",
+        type=int,
+        metavar="N",
+    ),
+)
+
 _COMMANDS = (
     Command(
         "up",
@@ -704,29 +730,8 @@ _COMMANDS = (
         "sink",
         (
             flag("--to", help="target namespace", setting="replay_to", required=True, metavar="NS"),
-            flag("--source", help="where the events come from", setting="replay_source"),
-            flag(
-                "--since",
-                help="rollouts started at or after this ISO time",
-                setting="replay_since",
-                metavar="TIME",
-            ),
-            flag(
-                "--until",
-                help="rollouts started before this ISO time",
-                setting="replay_until",
-                metavar="TIME",
-            ),
-            _each("--task", help="rollouts of this task", setting="replay_task_ids"),
-            _each("--group", help="rollouts of this GRPO group", setting="replay_group_ids"),
+            *_REPLAY_FILTERS,
             _each("--run-id", help="rollouts of this run", setting="replay_run_ids"),
-            _each(
-                "--policy-version",
-                help="rollouts started under this policy version",
-                setting="replay_policy_versions",
-                type=int,
-                metavar="N",
-            ),
             _each("--rollout", help="this rollout", setting="replay_rollout_ids", metavar="ID"),
             flag(
                 "--analytics-url",
@@ -760,28 +765,7 @@ _COMMANDS = (
                 setting="retrain_sets",
                 metavar="KEY=VALUE",
             ),
-            flag("--source", help="where the events come from", setting="replay_source"),
-            flag(
-                "--since",
-                help="rollouts started at or after this ISO time",
-                setting="replay_since",
-                metavar="TIME",
-            ),
-            flag(
-                "--until",
-                help="rollouts started before this ISO time",
-                setting="replay_until",
-                metavar="TIME",
-            ),
-            _each("--task", help="rollouts of this task", setting="replay_task_ids"),
-            _each("--group", help="rollouts of this GRPO group", setting="replay_group_ids"),
-            _each(
-                "--policy-version",
-                help="rollouts started under this policy version",
-                setting="replay_policy_versions",
-                type=int,
-                metavar="N",
-            ),
+            *_REPLAY_FILTERS,
             flag(
                 "--checkpoints",
                 help="the run's checkpoint root (unset: <home>/<namespace>/checkpoints)",
