@@ -1,7 +1,8 @@
 """The stream processor: a faust-streaming app built from ``ProcessorSettings``.
 
     create_processor(settings) -> Processor    the app, its topics, tables, agents and timer
-    run(settings) -> int                       a worker until SIGTERM / SIGINT (rollstream process)
+    run(settings) -> int                       a worker until SIGTERM / SIGINT (rollstream process),
+                                               stopped within STOP_GRACE_S of the signal
 
 Agents (names, topics and tables all carry the namespaced, versioned app id):
 
@@ -32,10 +33,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import signal
+import threading
 import time
 from collections.abc import Mapping
 from contextlib import suppress
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import faust
 from aiokafka import TopicPartition
@@ -69,6 +73,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _NEVER = 1 << 62  # a record count faust's inline commit never reaches
+STOP_GRACE_S: Final = 8.0  # SIGTERM / SIGINT -> exit, at most (faust's own stop is unbounded)
 
 
 async def _no_gap(tp: Any, offset_from: int, offset_to: int) -> None:
@@ -537,6 +542,23 @@ class Processor:
                 table.data[key] = value
             await send(changelog, key, value, partition, None, None)
 
+    @property
+    def waiting_for_acks(self) -> set[asyncio.Future[None]]:
+        """Deferred table writes whose sends are not acknowledged yet."""
+        return self._deferred
+
+    def uncommitted(self) -> dict[str, str]:
+        """Source partitions read past their committed offset: ``topic[p]`` -> the offsets
+        ``first..last`` a restart reads again (read from another thread: a snapshot)."""
+        consumer: Any = self.app.consumer
+        read, committed = dict(consumer._read_offset), dict(consumer._committed_offset)
+        out = {}
+        for tp, last in sorted(read.items()):
+            first = committed.get(tp) or 0
+            if tp.topic in self._sources and last is not None and last >= first:
+                out[f"{tp.topic}[{tp.partition}]"] = f"{first}..{last}"
+        return out
+
     def stats(self) -> dict[str, Any]:
         """Counters of the two stages and the offset guard, and the open slots held in memory."""
         return {
@@ -553,6 +575,42 @@ def _freeze_heap() -> None:
     later are collected as usual; frozen ones are still freed when their count drops."""
     gc.collect()
     gc.freeze()
+
+
+class _Worker(faust.Worker):
+    """faust's worker with a bounded stop. faust stops its Kafka consumer by committing and
+    leaving the group, and aiokafka retries both for as long as the coordinator is away: with
+    the broker unreachable the worker never exits. A signal that asks for the stop also starts
+    a watchdog; past ``grace_s`` it logs what is not committed and ends the process with 0.
+    Nothing is lost by that: faust commits an offset only after the producer has flushed the
+    sends and table writes of the records before it, so what was not committed is read again
+    at restart and its outputs, deterministic, are deduplicated downstream."""
+
+    def __init__(self, processor: Processor, grace_s: float, **kwargs: Any) -> None:
+        super().__init__(processor.app, **kwargs)
+        self.processor, self.grace_s = processor, grace_s
+        self._watchdog: threading.Thread | None = None
+
+    def _schedule_shutdown(self, sig: signal.Signals) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._bound_stop, name="stop-watchdog", daemon=True
+            )
+            self._watchdog.start()
+        super()._schedule_shutdown(sig)
+
+    def _bound_stop(self) -> None:
+        time.sleep(self.grace_s)
+        p = self.processor
+        log.warning(
+            "stop not done %.0f s after the signal (the broker unreachable?): exiting; "
+            "offsets not committed (read again at restart): %s; %d writes waiting for acks",
+            self.grace_s,
+            p.uncommitted() or "none",
+            len(p.waiting_for_acks),
+        )
+        logging.shutdown()  # the log's handlers flushed: os._exit runs no atexit
+        os._exit(0)
 
 
 def _use_event_loop(kind: str) -> None:
@@ -587,8 +645,9 @@ def run(settings: ProcessorSettings) -> int:
     ensure_topics(settings, processor.internal_topics)
     processor.metrics.health.stale_s = max(60.0, 10 * settings.proc_timer_interval_s)
     metrics_server = serve_metrics(settings, processor.metrics)
-    worker = faust.Worker(
-        processor.app,
+    worker = _Worker(
+        processor,
+        STOP_GRACE_S,
         loglevel=settings.proc_log_level,
         redirect_stdouts=False,
         quiet=True,

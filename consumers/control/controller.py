@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -48,6 +49,9 @@ log = logging.getLogger("rollstream.consumers.control.controller")
 
 POLL_S: Final = 0.1
 CATCH_UP_S: Final = 10.0  # the longest a first decision waits for the policy topic
+PUBLISH_TIMEOUT_S: Final = 10.0  # a decision's ack; cut short by a stop
+STOP_FLUSH_S: Final = 2.0  # the last decision's ack at stop
+STOP_GRACE_S: Final = 8.0  # SIGTERM / SIGINT -> exit, at most (a tick may wait on metadata)
 TRAINER_GROUP: Final = "rollstream-trainer-v1"  # training.settings.TRAINER_GROUP (no torch here)
 
 
@@ -97,6 +101,7 @@ class Controller:
         self.reader = Consumer({**base, "group.id": f"rollstream-controller-{uuid.uuid4().hex}"})
         self.offsets = Consumer({**base, "group.id": f"rollstream-controller-{uuid.uuid4().hex}"})
         self.producer = Producer({**settings.kafka_config(), "acks": "all", "linger.ms": 0})
+        self.stopping = threading.Event()  # set by ``run``'s stop: a pending publish gives up
         self._assign()
 
     def _metrics(self) -> ServiceMetrics:
@@ -224,8 +229,10 @@ class Controller:
         self.producer.produce(
             self.topics.control_decisions, key=DECISION_KEY, value=record.encode()
         )
-        if self.producer.flush(10) > 0:
-            raise KafkaException("a decision was not acknowledged within 10 s")
+        deadline = time.monotonic() + PUBLISH_TIMEOUT_S
+        while self.producer.flush(0.1) > 0:
+            if self.stopping.is_set() or time.monotonic() > deadline:
+                raise KafkaException("a decision was not acknowledged (not published)")
         if self.previous is None or (decision.run_slots, decision.reason) != (
             self.previous.run_slots,
             self.previous.reason,
@@ -246,9 +253,21 @@ class Controller:
 
     def close(self) -> None:
         with contextlib.suppress(KafkaException, RuntimeError):
-            self.producer.flush(10)
+            if left := self.producer.flush(STOP_FLUSH_S):
+                log.warning("stopping: %d decision(s) not acknowledged: not published", left)
             self.reader.close()
             self.offsets.close()
+
+
+def _exit_after(grace_s: float) -> None:
+    """The stop's bound (a daemon thread): a tick still waiting on the broker ``grace_s`` after
+    the signal ends the process with 0. The controller commits nothing and its decisions are
+    state on the log, so an unpublished one is only a period without a decision."""
+    time.sleep(grace_s)
+    log.warning("stop not done %.0f s after the signal (the broker unreachable?): exiting; "
+                "the decision of this period not published", grace_s)  # fmt: skip
+    logging.shutdown()
+    os._exit(0)
 
 
 def run(
@@ -261,9 +280,16 @@ def run(
     fails (the broker away) is logged and tried again next period."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
+
+        def on_signal(*_: object) -> None:
+            if not stop.is_set():
+                stop.set()
+                threading.Thread(target=_exit_after, args=(STOP_GRACE_S,), daemon=True).start()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
     controller = Controller(settings)
+    controller.stopping = stop
     health = controller.metrics.health
     health.stale_s = max(60.0, 5 * settings.control_period_s)
     metrics_server = serve_metrics(settings, controller.metrics)

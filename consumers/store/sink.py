@@ -48,7 +48,9 @@ assignment the batches of a partition are *verified* against the tables until th
 which nothing is stored; rows still missing go in under a fresh token (verify.py).
 
 A clean stop stores the caught-up partial batches (with intents) and leaves the rest to be read
-again.
+again. It is bounded while the broker is unreachable: a commit fails within seconds, waits for
+dead letters are cut to ``STOP_DLQ_TIMEOUT_S``, and what was not committed is logged (its
+batches are read again at restart and dropped by their tokens); the loop exits cleanly.
 
 Metrics (``rollstream_sink_*``, docs/metrics.md): ``Sink.stats`` read at scrape time (rows by
 table, batches, retries, dead letters, commits) and the consumer lag per topic from the last
@@ -72,7 +74,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Final
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
@@ -100,6 +102,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+STOP_DLQ_TIMEOUT_S: Final = 5.0  # once stopping: the longest wait for dead letters' acks
+
 
 class Sink:
     """The consume -> map -> insert -> commit loop. ``run()`` blocks until ``stop()``."""
@@ -111,6 +115,8 @@ class Sink:
         self.codec = build_codec(s)  # the loop's (in-process mapping)
         self._topics = s.topic_names()
         self._stop = threading.Event()
+        self._dlq_timeout = 30.0  # wait for dead letters' acks before a commit (cut at stop)
+        self._stop_commit_failed = False  # a commit failed while stopping: no more are tried
         self._cutters: dict[tuple[str, int], BatchCutter] = {}
         # partitions whose re-read batches are checked against the tables (verify.py)
         self._verifying: set[tuple[str, int]] = set()
@@ -221,6 +227,7 @@ class Sink:
     # --- loop -------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        self._dlq_timeout = STOP_DLQ_TIMEOUT_S
         self._stop.set()
 
     def run(self) -> SinkStats:
@@ -272,22 +279,30 @@ class Sink:
                 if ready:
                     self._flush(ready)
                 self._log_stats()
-            # a clean stop stores the caught-up partial batches; the rest are read again
-            now = time.monotonic()
-            final = [
-                b
-                for c in self._cutters.values()
-                if (b := c.due(now, 0.0, self._log_end(c))) is not None
-            ]
-            if final:
-                self._flush(final)
-            writer.drain()
-            self._commit_done()
+            self._final_flush()
         finally:
             writer.close()
             self._writer = None
             self.close()
         return self.stats
+
+    def _final_flush(self) -> None:
+        """A clean stop stores the caught-up partial batches; the rest are read again. Dead
+        letters not acknowledged in time (the broker away) leave their offsets uncommitted."""
+        assert self._writer is not None
+        now = time.monotonic()
+        final = [
+            b
+            for c in self._cutters.values()
+            if (b := c.due(now, 0.0, self._log_end(c))) is not None
+        ]
+        try:
+            if final:
+                self._flush(final)
+            self._writer.drain()
+            self._commit_done()
+        except DeadLetterError as exc:
+            log.warning("stopping: %s; their offsets not committed (read again at restart)", exc)
 
     def _poll(self) -> list[Message]:
         """What the client has queued, at once; else wait for one message and take what came
@@ -346,7 +361,7 @@ class Sink:
         offsets = self._done_offsets()
         for b, _ in partial:
             offsets[(b.topic, b.partition)] = (b.first, f"{INTENT_PREFIX}{b.last}")
-        self._dead_letters.finish()
+        self._dead_letters.finish(self._dlq_timeout)
         if not self._commit(offsets):
             return  # a rebalance is coming: partial batches are not stored without an intent
         self.stats.intents += len(partial)
@@ -371,20 +386,32 @@ class Sink:
     def _commit_done(self) -> None:
         offsets = self._done_offsets()
         if offsets:
-            self._dead_letters.finish()
+            try:
+                self._dead_letters.finish(self._dlq_timeout)
+            except DeadLetterError:
+                log.warning("not committed: %s", _listed(offsets))
+                raise
             if self.settings.sink_debug_commit_delay_s:
                 time.sleep(self.settings.sink_debug_commit_delay_s)
             self._commit(offsets)
 
     def _commit(self, offsets: dict[tuple[str, int], tuple[int, str]]) -> bool:
         tps = [TopicPartition(t, p, o, metadata=m) for (t, p), (o, m) in offsets.items()]
+        if self._stop_commit_failed:  # each try waits for the coordinator: once is enough
+            log.warning("stopping, the broker unreachable: not committed: %s", _listed(offsets))
+            return False
         try:
             self.consumer.commit(offsets=tps, asynchronous=False)
         except KafkaException as exc:
             # rebalancing or fenced: the next owner re-reads these batches with the same
             # boundaries, so their inserts are dropped by their tokens
             self.stats.commit_failures += 1
-            log.warning("offset commit failed (%s); uncommitted batches will be re-read", exc)
+            self._stop_commit_failed = self._stop.is_set()
+            log.warning(
+                "offset commit failed (%s): not committed: %s; those batches will be re-read",
+                exc,
+                _listed(offsets),
+            )
             return False
         self.stats.commits += 1
         log.debug("committed %s", ", ".join(f"{t}:{p}:{o}:{m}" for t, p, o, m in _tps(tps)))
@@ -408,11 +435,15 @@ class Sink:
             self.consumer.close()
         except (KafkaException, RuntimeError) as exc:
             log.warning("closing the consumer: %s", exc)
-        self._dead_letters.close()
+        self._dead_letters.close(min(self._dlq_timeout, 10.0))
         if self._pool is not None:
             self._pool.close()
         if self._owns_client:
             self._client.close()
+
+
+def _listed(offsets: dict[tuple[str, int], tuple[int, str]]) -> str:
+    return ", ".join(f"{t}[{p}]@{o}" for (t, p), (o, _) in sorted(offsets.items()))
 
 
 def _tps(tps: Iterable[TopicPartition]) -> Sequence[tuple[str, int, int, str]]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Final
 
 import uvicorn
 from starlette.applications import Starlette
@@ -334,15 +335,34 @@ def create_app(
     return app
 
 
+STOP_REQUESTS_S: Final = 5.0  # SIGTERM: the longest wait for requests still being answered
+STOP_DELIVER_S: Final = 5.0  # then the events' delivery, unless close_timeout_s is set
+
+
 def run(settings: ProxySettings) -> None:
-    """Serve until interrupted (``rollstream proxy`` calls this)."""
+    """Serve until SIGTERM / SIGINT (``rollstream proxy`` calls this), then stop within
+    ``STOP_REQUESTS_S`` + ``STOP_DELIVER_S``: requests still open get that long, the events not
+    acknowledged by then go to the spool (delivered at the next start), and the process exits 0
+    (uvicorn re-raises the signal it caught; the handlers here take it)."""
     logging.basicConfig(level=settings.proxy_log_level.upper())
+    if "close_timeout_s" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"close_timeout_s": STOP_DELIVER_S})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # only uvicorn's re-raise lands here: after the stop
+    app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.proxy_host,
         port=settings.proxy_port,
         log_level=settings.proxy_log_level,
         access_log=False,
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=int(STOP_REQUESTS_S),
         log_config=None if settings.log_format == "json" else LOGGING_CONFIG,  # json: root's
     )
+    stats = app.proxy.recorder.stats
+    log.info(
+        "stopped: events %d sent, %d spooled (sent at the next start), %d in the spool, "
+        "%d dropped, %d failed",
+        stats.sent, stats.spooled, stats.spool_backlog, stats.dropped, stats.failed,
+    )  # fmt: skip

@@ -90,6 +90,7 @@ log = logging.getLogger("rollstream.producers.rollouts.workers")
 POLL_S: Final = 0.2
 RETRY_S: Final = 2.0  # between tries of a message whose proxy call got no answer
 SEND_TIMEOUT_S: Final = 60.0
+STOP_SEND_S: Final = 3.0  # once stopping: the longest wait for one send's ack, and the final flush
 
 
 def stages_of(text: str) -> list[StageName]:
@@ -146,7 +147,13 @@ class Service:
         )
 
     def close(self) -> None:
-        self.producer.flush(10)
+        left = self.producer.flush(STOP_SEND_S)
+        if left:  # a stage message or dead letter among them had its offset left uncommitted
+            log.warning(
+                "stopping: %d records not acknowledged by the broker (load reports, or sends "
+                "whose messages are not committed and come back)",
+                left,
+            )
         self.proxy.close()
         for provider in self._providers.values():
             provider.close()
@@ -194,8 +201,11 @@ class Service:
 
         self.producer.produce(topic, key=key, value=value, headers=headers, on_delivery=delivered)
         deadline = time.monotonic() + SEND_TIMEOUT_S
+        stopping = False
         while not done.is_set():
             self.producer.poll(0.05)
+            if self.stop.is_set() and not stopping:  # the message is not finished: it comes back
+                stopping, deadline = True, min(deadline, time.monotonic() + STOP_SEND_S)
             if time.monotonic() > deadline:
                 raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT))
         if failure:
@@ -543,6 +553,14 @@ class StageWorker(threading.Thread):
             pool.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(KafkaException, RuntimeError):
                 self._commit_finished()
+            held = {p: sorted(offsets) for p, offsets in self.book.inflight.items() if offsets}
+            if held:
+                log.warning(
+                    "%s: stopping with messages in flight, not committed (they come back): %s",
+                    self.topic,
+                    held,
+                )
+            with contextlib.suppress(KafkaException, RuntimeError):
                 self.consumer.close()
 
     def _pause(self, pause: bool) -> None:
@@ -613,8 +631,10 @@ class StageWorker(threading.Thread):
             offsets = [TopicPartition(self.topic, p, o) for p, o in commits.items()]
             try:
                 self.consumer.commit(offsets=offsets, asynchronous=False)
-            except KafkaException as exc:  # revoked meanwhile: its new owner goes on
-                log.info("%s: commit refused: %s", self.topic, exc)
+            except KafkaException as exc:  # revoked meanwhile (its new owner goes on), or the
+                # broker away: the messages come back, their stages judged from their claims
+                level = logging.WARNING if self.service.stop.is_set() else logging.INFO
+                log.log(level, "%s: offsets %s not committed: %s", self.topic, commits, exc)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if self.paused:
