@@ -110,7 +110,9 @@ def test_a_traced_harness_records_rollouts_without_the_proxy_in_its_path(
             )
             ok = format(run_agent(provider), "032x")
             failed = format(run_agent(provider, fail=True), "032x")
-            created = create_rollout(url, task_id="t-api", group_id="g-api")
+            created = create_rollout(
+                url, task_id="t-api", group_id="g-api", final_rewards="harness"
+            )
             owned = created["rollout_id"]
             run_agent(provider, rollout_id=owned)
             assert provider.force_flush(30)
