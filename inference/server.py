@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import random
 import re
@@ -50,6 +49,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.config import LOGGING_CONFIG
 
+from rollstream.adapters.auth import bearer_token, key_matches
 from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.inference import wire
 from rollstream.inference.engine import Engine, Scheduler
@@ -275,15 +275,8 @@ OPEN_ROUTES: frozenset[str] = frozenset({"/health"})  # answered without the key
 
 
 def _authorized(request: Request, key: bytes | None) -> bool:
-    if key is None:
-        return True
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    try:
-        raw = token.strip().encode("ascii")
-    except UnicodeEncodeError:
-        return False
-    return scheme.lower() == "bearer" and hmac.compare_digest(raw, key)
+    token = bearer_token(request.headers.get("authorization"))
+    return key is None or key_matches(token, (key,))
 
 
 def _guard(

@@ -33,7 +33,6 @@ such view) or 413 (body too large).
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import re
 import threading
@@ -53,6 +52,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from rollstream.adapters.auth import bearer_token, key_matches
 from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.analytics import reports, ui_api
 from rollstream.consumers.analytics.openapi import openapi
@@ -145,14 +145,6 @@ def _params(raw: Any) -> dict[str, Any]:
     return dict(raw)
 
 
-def _bearer(value: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
-    if value is None:
-        return None
-    scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 def checked_query(client: Any, sql: str, params: Mapping[str, Any], database: str) -> Table:
     """Run ``sql`` (already through ``check_read_only``) once the engine's own parse of it
     (``EXPLAIN AST``, which does not run it) passed ``check_ast``."""
@@ -215,8 +207,7 @@ def create_app(
     def authorized(request: Request) -> bool:
         if not keys:
             return True
-        token = _bearer(request.headers.get("authorization"))
-        return token is not None and any(hmac.compare_digest(token.encode(), k) for k in keys)
+        return key_matches(bearer_token(request.headers.get("authorization")), keys)
 
     Handler = Callable[[Request], Awaitable[Response]]
 

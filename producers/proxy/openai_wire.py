@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rollstream.adapters.auth import bearer_token
 from rollstream.producers.errors import ApiError, ChatError, ChatInputError, ProxyError
 from rollstream.schemas.events import SAFE_INT_MAX, TOKEN_ID_MAX
 
@@ -222,15 +223,6 @@ def parse_json(raw: bytes) -> dict[str, Any]:
             msg = f"`{key}` nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
             raise ApiError(400, msg, param=key, code="invalid_value")
     return data
-
-
-def bearer_token(value: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header value, else None. The token may
-    be any text (a non-ASCII one is simply not a valid token: 401 where it is checked)."""
-    if value is None:
-        return None
-    scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 # --------------------------------------------------------------------------- requests

@@ -50,6 +50,7 @@ from typing import Any
 
 from ulid import ULID
 
+from rollstream.adapters.auth import key_matches
 from rollstream.producers.errors import ApiError, ProxyConfigError
 from rollstream.producers.proxy.chat import ChatMemory
 from rollstream.producers.proxy.lifecycle import parse_lifecycle
@@ -132,10 +133,7 @@ class Auth:
         return not self._admin
 
     def is_admin(self, token: str | None) -> bool:
-        if token is None:
-            return False
-        raw = token.encode()
-        return any(hmac.compare_digest(raw, k) for k in self._admin)
+        return key_matches(token, self._admin)
 
     def admin(self, token: str | None) -> None:
         """Pass when ``token`` (the request's bearer token) is an admin key or no key is set."""
