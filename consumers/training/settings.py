@@ -86,6 +86,12 @@ class TrainerSettings(CommonSettings):
     train_debug_pause_s: float = 3600.0
     # step k trains exactly the samples step k of another run trained, in order (retrain)
     train_follow: Path | None = None  # that run's checkpoint root, whose manifests are followed
+    # experiment loggers (loggers.py; extras rollstream[tensorboard], rollstream[wandb]): off
+    train_tensorboard_dir: Path | None = None  # TensorBoard event files of each step
+    train_wandb_project: str | None = Field(None, min_length=1, max_length=128)
+    train_wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: no network
+    train_wandb_dir: Path | None = None  # default <home>/wandb
+    train_wandb_run_name: str | None = Field(None, max_length=128)
 
     def resolved_model_path(self) -> Path:
         return self.model_path if self.model_path is not None else self.home / "models" / "tiny"

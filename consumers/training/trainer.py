@@ -63,6 +63,7 @@ published, a bad setting); also raised through run: ``CheckpointError``, ``Sourc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -94,6 +95,7 @@ from rollstream.consumers.training.checkpoint import (
 )
 from rollstream.consumers.training.dataset import Polled, SampleSource, close_producer
 from rollstream.consumers.training.ledger import StepLedger
+from rollstream.consumers.training.loggers import build_loggers, log_all
 from rollstream.consumers.training.metrics import TrainerMetrics
 from rollstream.consumers.training.retrain_plan import ManifestFollower
 from rollstream.consumers.training.settings import DEBUG_STAGES, TRAINER_GROUP, TrainerSettings
@@ -212,6 +214,7 @@ class Trainer:
             self.follower = ManifestFollower(steps, after=self.step)
             log.info("following %s: steps %d..%d", s.train_follow, self.step + 1,
                      self.follower.last_step)  # fmt: skip
+        self.loggers = build_loggers(s)  # TensorBoard / W&B when asked for (loggers.py)
         self.source = SampleSource(
             s,
             group_id=self.topics.name(s.train_group_id),  # namespaced, like the topics
@@ -503,6 +506,7 @@ class Trainer:
         self.samples_trained, self.tokens_trained = meta.samples_trained, meta.tokens_trained
         self.counters = dict(meta.counters)
         self.metrics.observe_step(meta)
+        self.loggers = log_all(self.loggers, meta)
         self.window = _Window(StalenessFilter(s.train_max_staleness))
         self._debug_pause("committed", step)
         self._publish(ckpt)
@@ -572,6 +576,9 @@ class Trainer:
             self.ledger.close(min(self.settings.train_publish_timeout_s, 10.0))
         finally:
             self.source.close()
+            for lg in self.loggers:
+                with contextlib.suppress(Exception):  # a side channel: never blocks the close
+                    lg.close()
             if self.metrics_server is not None:
                 self.metrics_server.stop()
 
