@@ -47,6 +47,9 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
     Sample,
+    StageEvent,
+    StageName,
+    StagePhase,
     ToolCall,
     Usage,
 )
@@ -107,8 +110,9 @@ def small_events(n: int) -> list[Event]:
 
 def report_dataset(n_events: int, rng: np.random.Generator) -> Iterator[tuple[str, Any, int]]:
     """(topic, record, kafka timestamp) for ~n_events rollout events (rollouts of 2-6 turns of
-    LlmCall + ToolCall, a final reward, a finish), one sample per rollout and a policy version
-    every 64 rollouts. Deterministic for a seed; token arrays are slices of one pool."""
+    LlmCall + ToolCall, the rollout service's six stage events in one of four jobs, a final
+    reward, a finish), one sample per rollout and a policy version every 64 rollouts with a
+    trainer step's metrics. Deterministic for a seed; token arrays are slices of one pool."""
     pool = rng.integers(0, 32_000, 1 << 20, dtype=np.uint32)
     logprobs = -rng.exponential(0.5, 1 << 20).astype(np.float32)
     produced, r, version = 0, 0, 0
@@ -122,7 +126,13 @@ def report_dataset(n_events: int, rng: np.random.Generator) -> Iterator[tuple[st
         lat = rng.gamma(2.0, 300.0, turns)
         dur = rng.gamma(2.0, 50.0, turns)
         off = rng.integers(0, (1 << 20) - 96, turns)
+        job = f"job{r % 4}"
+        stage_ms = rng.gamma(2.0, (40.0, 400.0, 150.0))  # init, run, eval
         events: list[Any] = [RolloutStarted(task, group, policy_version=version)]
+        events.append(StageEvent(StageName.INIT, StagePhase.STARTED, job_id=job, worker="w0"))
+        events.append(StageEvent(StageName.INIT, StagePhase.FINISHED, "ok",
+                                 float(stage_ms[0]), job, "w0"))  # fmt: skip
+        events.append(StageEvent(StageName.RUN, StagePhase.STARTED, job_id=job, worker="w1"))
         for t in range(turns):
             o = int(off[t])
             events.append(
@@ -135,6 +145,12 @@ def report_dataset(n_events: int, rng: np.random.Generator) -> Iterator[tuple[st
             events.append(ToolCall(f"{rid}t{t}", tool, "{}", "out",
                                    is_error=bool(u[turns + t] < TOOL_ERROR[tool]),
                                    duration_ms=float(dur[t])))  # fmt: skip
+        run_status = "ok" if u[-1] < STATUS_CDF[0] else ("failed", "timeout")[r % 2]
+        events.append(StageEvent(StageName.RUN, StagePhase.FINISHED, run_status,
+                                 float(stage_ms[1]), job, "w1"))  # fmt: skip
+        events.append(StageEvent(StageName.EVAL, StagePhase.STARTED, job_id=job, worker="w2"))
+        events.append(StageEvent(StageName.EVAL, StagePhase.FINISHED, "ok",
+                                 float(stage_ms[2]), job, "w2"))  # fmt: skip
         events.append(Reward(float(u[-2] < (task_no * 37 % 100) / 100), name="tests"))
         status = int(np.searchsorted(STATUS_CDF, u[-1]))
         events.append(RolloutFinished(STATUSES[status]))
@@ -151,7 +167,14 @@ def report_dataset(n_events: int, rng: np.random.Generator) -> Iterator[tuple[st
         r += 1
         if r % 64 == 0:
             version += 1
-            yield "policy.versions", PolicyVersion(version, f"ckpt/{version}", version, ts), ts
+            metrics = {"loss": float(rng.normal(0.1, 0.05)),
+                       "clip_frac": float(rng.random() * 0.2),
+                       "approx_kl": float(rng.exponential(0.01)),
+                       "grad_norm": float(rng.gamma(2, 1)),
+                       "step_time_s": float(rng.gamma(4, 2)), "batch_samples": 64.0,
+                       "batch_tokens": 6144.0, "stale_dropped": 0.0, "dlq": 0.0}  # fmt: skip
+            yield "policy.versions", PolicyVersion(version, f"ckpt/{version}", version, ts,
+                                                   64 * version, metrics), ts  # fmt: skip
 
 
 def timed(fn: Any) -> float:
