@@ -13,12 +13,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from rollstream.schemas import CommonSettings, TopicSpec
 
 __all__ = [
+    "GroupLag",
     "TopicError",
     "TopicState",
     "admin_client",
@@ -26,6 +33,8 @@ __all__ = [
     "ensure_topics",
     "group_lag",
     "high_watermarks",
+    "lag_rows",
+    "namespace_lag",
     "watermarks",
 ]
 
@@ -193,3 +202,67 @@ def group_lag(
         raise TopicError(f"offsets of group {group}: {exc}") from exc
     committed = {tp.partition: tp.offset for tp in answer.topic_partitions if tp.offset >= 0}
     return sum(max(high - committed.get(p, 0), 0) for p, high in highs.items())
+
+
+MAX_LAG_GROUPS = 64  # consumer groups of a namespace a lag answer covers (by name)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLag:
+    group: str
+    topic: str
+    partitions: int  # partitions of the topic the group has committed offsets on
+    lag: int  # records past its committed offsets (sum over those partitions)
+
+
+def lag_rows(
+    committed: dict[str, dict[tuple[str, int], int]], highs: dict[tuple[str, int], int]
+) -> list[GroupLag]:
+    """Per (group, topic): partitions with a commit and the records behind it (high watermark -
+    committed, never below 0). Partitions without a high watermark are left out."""
+    out = []
+    for group in sorted(committed):
+        by_topic: dict[str, list[int]] = {}
+        for (topic, p), offset in committed[group].items():
+            if (topic, p) in highs:
+                by_topic.setdefault(topic, []).append(max(highs[(topic, p)] - offset, 0))
+        out += [GroupLag(group, t, len(lags), sum(lags)) for t, lags in sorted(by_topic.items())]
+    return out
+
+
+def namespace_lag(settings: CommonSettings, timeout: float = 3.0) -> list[GroupLag]:
+    """The lag of every consumer group of ``settings.namespace`` (groups named ``<ns>.*``; every
+    group without a namespace; the first MAX_LAG_GROUPS by name) on each topic it committed
+    offsets on. Each broker call waits at most ``timeout`` s; a failure is TopicError."""
+    admin = admin_client(settings)
+    prefix = f"{settings.namespace}." if settings.namespace else ""
+    try:
+        listing = admin.list_consumer_groups(request_timeout=timeout).result(timeout)
+        names = sorted(g.group_id for g in listing.valid if g.group_id.startswith(prefix))
+        committed: dict[str, dict[tuple[str, int], int]] = {}
+        for group in names[:MAX_LAG_GROUPS]:
+            future = admin.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group)], request_timeout=timeout
+            )[group]
+            answer = future.result(timeout)
+            committed[group] = {
+                (tp.topic, tp.partition): tp.offset
+                for tp in answer.topic_partitions
+                if tp.offset >= 0
+            }
+    except (KafkaException, TimeoutError) as exc:
+        what = str(exc) or f"no answer within {timeout} s"
+        raise TopicError(f"consumer groups {prefix + '*' if prefix else '(all)'}: {what}") from exc
+    wanted = set().union(*committed.values()) if committed else set()
+    highs: dict[tuple[str, int], int] = {}
+    if wanted:
+        consumer = Consumer(
+            {**settings.kafka_config(), "group.id": f"{prefix}rollstream-lag-probe",
+             "enable.auto.commit": False}
+        )  # fmt: skip
+        try:
+            for topic, p in wanted:
+                _, highs[(topic, p)] = watermarks(consumer, TopicPartition(topic, p), timeout)
+        finally:
+            consumer.close()
+    return lag_rows(committed, highs)

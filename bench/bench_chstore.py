@@ -13,7 +13,7 @@
    DASHBOARD_VIEWS of them (``dashboard_views_ms_median_sum``: their medians added up).
 4. Over the same data, the web UI's data endpoints (ui_api.py: the rollout browser's filters
    and pages, a group, a rollout's tree and tokens) as the pages call them: ``ui_ms`` (best)
-   and ``ui_ms_median``.
+   and ``ui_ms_median`` (``throughput`` is the dashboard's).
 Optional --codecs: compressed bytes per token of candidate codecs on token ids from a BPE
 tokenizer trained here on the Python standard library (the codec choice in the DDL).
 
@@ -366,6 +366,7 @@ def _time_ui(client: Any, db: str, repeat: int) -> dict[str, list[float]]:
         "group": ("group", [("group", "g12")]),
         "trajectory": ("trajectory", [("rollout", rid)]),
         "tokens": ("tokens", [("rollout", rid), ("call", f"{rid}c1")]),
+        "throughput": ("throughput", []),  # the dashboard's tokens/s and per-minute chart
     }
 
     def ask(q: ui_api.Query) -> chstore.Table:

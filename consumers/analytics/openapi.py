@@ -141,6 +141,11 @@ def openapi(views: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
         paths[f"/ui/api/{name}"] = {
             "get": _op(f"web UI data: {name}", "400 401 403", params=params)
         }
+    paths["/ui/api/lag"] = {
+        "get": _op("web UI data: consumer lag of the namespace's groups, read from Kafka "
+                   "(every 5 s at most; {groups: [], error} when the broker does not answer)",
+                   "401 403", params=[_NS_PARAM])
+    }  # fmt: skip
     return {
         "openapi": "3.1.0",
         "info": {

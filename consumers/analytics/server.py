@@ -19,11 +19,13 @@ Locked down (readonly.py has the rules):
 A refused query is 403 naming the reason; a query the engine refuses or that breaks a limit is
 400 with the engine's message; neither ever 500.
 
-    create_app(store, database=, namespace=, stats=, codec=, api_keys=, max_body_bytes=)
+    create_app(store, database=, namespace=, stats=, lag=, codec=, api_keys=, max_body_bytes=)
     serve(settings, stats=) -> AnalyticsServer      the app in a daemon thread (``stop()``)
 
 The web UI (``ui/``: static files, open) is served at ``/ui/``; its data comes from the canned
-views and ``/ui/api/<name>`` (ui_api.py), behind the same key.
+views and ``/ui/api/<name>`` (ui_api.py), behind the same key; ``/ui/api/lag`` is the consumer
+lag of the namespace's groups, read from Kafka (``LagProbe``: at most every 5 s, each broker call
+bounded to 3 s; a broker that does not answer gives ``{"groups": [], "error": ...}``).
 
 Errors: ``AnalyticsError`` (the server did not start); requests that fail answer 400
 (bad request, a query ClickHouse refused), 401 (no valid key), 403 (RefusedQuery), 404 (no
@@ -45,6 +47,7 @@ from urllib.parse import quote
 
 import orjson
 import uvicorn
+from confluent_kafka import KafkaException
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -54,6 +57,7 @@ from starlette.staticfiles import StaticFiles
 
 from rollstream.adapters.auth import bearer_token, key_matches
 from rollstream.adapters.codecs import build_codec
+from rollstream.adapters.topics import TopicError, namespace_lag
 from rollstream.consumers.analytics import reports, ui_api
 from rollstream.consumers.analytics.openapi import openapi
 from rollstream.consumers.analytics.protocol import (
@@ -73,7 +77,7 @@ from rollstream.consumers.errors import (
 from rollstream.consumers.store import chstore
 from rollstream.consumers.store.chstore import Table
 from rollstream.consumers.store.queries import RolloutFilter, count_rollouts, rollout_page
-from rollstream.schemas import Codec
+from rollstream.schemas import Codec, CommonSettings
 
 __all__ = [
     "AnalyticsError",
@@ -189,12 +193,38 @@ class QueryClient:
             self._client.close()
 
 
+class LagProbe:
+    """The consumer lag of the namespace's groups (adapters.topics.namespace_lag), read from
+    Kafka at most every ``ttl`` s; callers in between get the last answer."""
+
+    def __init__(self, settings: CommonSettings, *, ttl: float = 5.0, timeout: float = 3.0):
+        self.settings, self.ttl, self.timeout = settings, ttl, timeout
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._answer: dict[str, Any] = {}
+
+    def __call__(self) -> dict[str, Any]:
+        with self._lock:
+            if time.monotonic() - self._at < self.ttl:
+                return self._answer
+            try:
+                rows = namespace_lag(self.settings, self.timeout)
+                groups = [{"group": r.group, "topic": r.topic, "partitions": r.partitions,
+                           "lag": r.lag} for r in rows]  # fmt: skip
+                self._answer = {"groups": groups, "error": None, "read_at": time.time()}
+            except (TopicError, KafkaException) as exc:
+                self._answer = {"groups": [], "error": str(exc)[:500], "read_at": time.time()}
+            self._at = time.monotonic()
+            return self._answer
+
+
 def create_app(
     store: QueryClient,
     *,
     database: str,
     namespace: str = "",
     stats: Callable[[], dict[str, Any]] | None = None,
+    lag: Callable[[], dict[str, Any]] | None = None,
     codec: Codec,
     api_keys: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -343,6 +373,12 @@ def create_app(
         params = ui_api.parse_params(spec, [(k, v) for k, v in raw if k != "namespace"])
         return _json(await run_in_threadpool(store.call, ui_data, spec, params, db))
 
+    async def lag_endpoint(request: Request) -> Response:
+        database_of(request.query_params.get("namespace"))
+        if lag is None:
+            return _json({"groups": [], "error": "this server reads no Kafka", "read_at": None})
+        return _json(await run_in_threadpool(lag))
+
     views = {v.name: {k: p.type for k, p in v.params.items()} for v in reports.VIEWS.values()}
     document = openapi(views)
 
@@ -358,6 +394,7 @@ def create_app(
             Route("/reports/{view}", endpoint(run_view)),
             Route("/events", endpoint(events), methods=["POST"]),
             Route("/events/count", endpoint(count), methods=["POST"]),
+            Route("/ui/api/lag", endpoint(lag_endpoint)),
             Route("/ui/api/{name}", endpoint(ui_endpoint)),
             Mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui"),  # open: no data
         ]
@@ -411,6 +448,7 @@ def serve(
         database=s.database,
         namespace=s.namespace,
         stats=stats,
+        lag=LagProbe(s),
         codec=build_codec(s),
         api_keys=keys,
         max_body_bytes=s.analytics_max_body_bytes,

@@ -10,7 +10,10 @@ Endpoints (the dashboard and the training page read canned views, ``/reports/<vi
 - ``rollouts``: a page of rollouts filtered by job, task, group, status, reward range, policy
   version; each with its reward (sum of final rewards, reports.py's definition), score, counts;
 - ``group``: a group's rollouts side by side with their samples' advantages;
-- ``trajectory`` and ``tokens``: the tree viewer's (ui_tree.py).
+- ``trajectory`` and ``tokens``: the tree viewer's (ui_tree.py);
+- ``throughput``: LLM calls and generated tokens per minute over the last ``minutes`` before
+  the newest call, and tokens/s over its last 5 minutes (the dashboard's tokens/s).
+The dashboard's consumer lag is read from Kafka, not from the store (server.py, ``/ui/api/lag``).
 What the endpoints share (``Query``, ``ParamError``, the params base) is in ui_query.py.
 
 Every parameter has bounds (pydantic ``Field``); a value outside them is ``ParamError`` (400).
@@ -55,6 +58,7 @@ __all__ = [
     "ParamError",
     "Query",
     "RolloutsParams",
+    "ThroughputParams",
     "TokensParams",
     "TrajectoryParams",
     "node_links",
@@ -78,6 +82,10 @@ class RolloutsParams(Params):
     policy_version: int | None = Field(default=None, ge=-1, le=2**53)
     limit: int = Field(default=100, ge=1, le=1_000)
     offset: int = Field(default=0, ge=0, le=10_000_000)
+
+
+class ThroughputParams(Params):
+    minutes: int = Field(default=60, ge=1, le=1_440)
 
 
 class GroupParams(Params):
@@ -250,6 +258,50 @@ def run_group(p: GroupParams, db: str, ask: Ask) -> dict[str, Any]:
     return {"group_id": p.group, "total": total, "mean_reward": mean, "rollouts": rows}
 
 
+# --- throughput -------------------------------------------------------------------------------
+
+RECENT_S = 300  # the window of the dashboard's tokens/s, ending at the newest call
+
+
+def throughput_queries(p: ThroughputParams, db: str) -> tuple[Query, Query]:
+    """Per minute (calls, generated tokens = completion ids recorded, prompt tokens, p50 latency)
+    over the last ``minutes`` before the newest call; and the tokens of its last RECENT_S.
+    Relative to the newest call, so a replayed or finished run shows its own last hour. Each
+    call counts once: rows are grouped by event_id (a re-delivered event is a duplicate row
+    until ClickHouse merges), which reads only the window's rows where FINAL would read its
+    partitions whole."""
+    calls = f"""SELECT event_id, any(ts) AS at, any(completion_ids.size0) AS completion,
+           any(prompt_len) AS prompt, any(latency_ms) AS latency
+    FROM {db}.llm_calls
+    WHERE ts > (SELECT max(ts) FROM {db}.llm_calls) - toIntervalSecond({{window:UInt32}})
+    GROUP BY event_id"""
+    return (
+        Query(f"""SELECT toStartOfMinute(at) AS minute, count() AS calls,
+       sum(completion) AS completion_tokens, sum(prompt) AS prompt_tokens,
+       quantile(0.5)(latency) AS p50_latency_ms
+FROM ({calls})
+GROUP BY minute ORDER BY minute""", {"window": p.minutes * 60}),
+        Query(f"""SELECT count() AS calls, sum(completion) AS completion_tokens,
+       (SELECT max(ts) FROM {db}.llm_calls) AS last
+FROM ({calls})""", {"window": RECENT_S}),
+    )  # fmt: skip
+
+
+def run_throughput(p: ThroughputParams, db: str, ask: Ask) -> dict[str, Any]:
+    per_minute, recent = throughput_queries(p, db)
+    rows = [{k: num(v) for k, v in r.items()} for r in dicts(ask(per_minute))]
+    (calls, tokens, last), *_ = ask(recent).rows or [(0, 0, None)]
+    empty = not calls
+    return {
+        "minutes": rows,
+        "last_call": None if empty else num(last),
+        "recent_s": RECENT_S,
+        "recent_calls": int(calls or 0),
+        "recent_tokens": int(tokens or 0),
+        "tokens_per_s": None if empty else (tokens or 0) / RECENT_S,
+    }
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     e.name: e
     for e in (
@@ -258,5 +310,6 @@ ENDPOINTS: dict[str, Endpoint] = {
         Endpoint("group", GroupParams, run_group),
         Endpoint("trajectory", TrajectoryParams, run_trajectory),
         Endpoint("tokens", TokensParams, run_tokens),
+        Endpoint("throughput", ThroughputParams, run_throughput),
     )
 }

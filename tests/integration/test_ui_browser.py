@@ -10,6 +10,7 @@ pages as a user would and read what they show.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +19,16 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from rollstream.adapters.topics import ensure_topics
 from rollstream.consumers.analytics.server import AnalyticsServer, serve
 from rollstream.consumers.analytics.settings import AnalyticsSettings
 from rollstream.consumers.store.chstore import connect, database_for, insert_batch
 from rollstream.consumers.store.migrations import apply_migrations
 from rollstream.consumers.store.rows import RowBatch
+from rollstream.infra.kafka import KafkaBroker
 from rollstream.schemas import (
     Branch,
     Codec,
@@ -152,9 +156,12 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any,
 
 
 @pytest.fixture(scope="module")
-def server(store: tuple[Path, Any, dict[str, Any]]) -> Iterator[AnalyticsServer]:
+def server(
+    store: tuple[Path, Any, dict[str, Any]], kafka: KafkaBroker
+) -> Iterator[AnalyticsServer]:
     settings = AnalyticsSettings(
         clickhouse_url=f"chdb://{store[0]}",
+        kafka_bootstrap=kafka.bootstrap,  # the dashboard's consumer lag
         namespace=NAMESPACE,
         analytics_port=0,
         analytics_api_keys=KEY,
@@ -240,6 +247,59 @@ def test_dashboard_shows_the_numbers(page: Page) -> None:
     assert cells(page, "stages-table", "job_id") == ["j1", "j1", "j2", "j2"]
     assert cells(page, "dlq-table", "n")[1] == "3"  # the trainer's DLQ counter, latest step
     assert page.locator("svg polyline").count() >= 2  # the line charts were drawn
+    calls = [e.body for e in all_events() if isinstance(e.body, LlmCall)]
+    tokens = sum(len(c.completion_ids) for c in calls)
+    expect(page.locator("#throughput-note")).to_contain_text(f"{len(calls)} calls and {tokens} ")
+    expect(page.locator("[data-kpi='tokens/s (last 5 min)'] .v")).not_to_have_text("\u2013")
+    expect(page.locator("#lag-table")).to_be_visible()  # the broker answers: a table, no error
+
+
+def all_events() -> list[Event]:
+    return [e for i, rid in enumerate(ROLLOUTS) for e in rollout_events(rid, i)]
+
+
+def test_throughput_counts_each_call_once(server: AnalyticsServer) -> None:
+    # every call is within 5 minutes of the newest one, and stored twice (re-batched): FINAL
+    calls = [e.body for e in all_events() if isinstance(e.body, LlmCall)]
+    tokens = sum(len(c.completion_ids) for c in calls)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, timeout=30, headers=auth) as http:
+        got = http.get("/ui/api/throughput").json()
+        assert (got["recent_calls"], got["recent_tokens"]) == (len(calls), tokens)
+        assert got["tokens_per_s"] == pytest.approx(tokens / 300)
+        assert sum(m["calls"] for m in got["minutes"]) == len(calls)
+        assert sum(m["completion_tokens"] for m in got["minutes"]) == tokens
+        r = http.get("/ui/api/throughput?minutes=0")
+        assert r.status_code == 400 and "minutes" in r.json()["error"]
+
+
+def test_consumer_lag_of_the_namespace_groups(server: AnalyticsServer, kafka: KafkaBroker) -> None:
+    settings = AnalyticsSettings(kafka_bootstrap=kafka.bootstrap, namespace=NAMESPACE)
+    topic = settings.topics().events
+    ensure_topics(settings)
+    producer = Producer(settings.kafka_config())
+    for i in range(5):
+        producer.produce(topic, value=b"x%d" % i, partition=0)
+    assert producer.flush(30) == 0
+    group = f"{NAMESPACE}.rollstream-sink-v1"
+    consumer = Consumer({**settings.kafka_config(), "group.id": group})
+    consumer.commit(offsets=[TopicPartition(topic, 0, 2)], asynchronous=False)
+    consumer.close()
+    other = Consumer({**settings.kafka_config(), "group.id": "elsewhere.rollstream-sink-v1"})
+    other.commit(offsets=[TopicPartition(topic, 0, 1)], asynchronous=False)  # not this namespace
+    other.close()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, timeout=30, headers=auth) as http:
+        deadline = time.monotonic() + 30
+        while True:  # the server reads Kafka at most every 5 s
+            got = http.get("/ui/api/lag").json()
+            if got["groups"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert got["error"] is None
+        assert got["groups"] == [{"group": group, "topic": topic, "partitions": 1, "lag": 3}]
+        assert http.get("/ui/api/lag?namespace=other").status_code == 403
+        assert httpx.get(f"{server.url}/ui/api/lag").status_code == 401
 
 
 def test_rollout_filters(page: Page) -> None:

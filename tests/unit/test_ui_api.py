@@ -187,3 +187,47 @@ def test_endpoints_run_over_an_ask_edge() -> None:
     assert g["total"] == 3 and g["mean_reward"] == 0.5  # the running rollout is not counted
     assert [r["reward"] for r in g["rollouts"]] == [1.0, 0.0, 0.0]  # no final reward: 0
     assert [r["job_id"] for r in g["rollouts"]] == ["", "j2", ""]
+
+
+def test_throughput_over_an_ask_edge_and_its_bounds() -> None:
+    class Answer:
+        def __init__(self, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+            self.columns, self.rows = columns, rows
+
+    seen: list[Query] = []
+
+    def ask(q: Query) -> Answer:
+        seen.append(q)
+        check_read_only(q.sql, database="rollstream_x")  # what the server would accept
+        if "GROUP BY minute" in q.sql:
+            return Answer(("minute", "calls", "completion_tokens", "prompt_tokens",
+                           "p50_latency_ms"), [("m1", 2, 60, 10, float("nan"))])  # fmt: skip
+        return Answer(("calls", "completion_tokens", "last"), [(2, 600, "t")])
+
+    spec = ENDPOINTS["throughput"]
+    out = spec.run(parse_params(spec, [("minutes", "30")]), "rollstream_x", ask)
+    assert out["minutes"] == [{"minute": "m1", "calls": 2, "completion_tokens": 60,
+                               "prompt_tokens": 10, "p50_latency_ms": None}]  # fmt: skip
+    assert (out["tokens_per_s"], out["recent_calls"], out["last_call"]) == (2.0, 2, "t")
+    assert seen[0].params == {"window": 1800} and seen[1].params == {"window": 300}
+    assert "GROUP BY event_id" in seen[0].sql  # each call once, duplicates or not
+    empty = spec.run(parse_params(spec, []), "rollstream_x", lambda q: Answer(("c",), []))
+    assert (empty["tokens_per_s"], empty["last_call"], empty["minutes"]) == (None, None, [])
+    for bad in ("0", "1441", "x"):
+        with pytest.raises(ParamError, match=r"^minutes"):
+            parse_params(spec, [("minutes", bad)])
+
+
+def test_lag_rows_per_group_and_topic() -> None:
+    from rollstream.adapters.topics import GroupLag, lag_rows
+
+    committed = {
+        "ns.sink": {("ns.events", 0): 2, ("ns.events", 1): 10, ("ns.samples", 0): 0},
+        "ns.trainer": {("ns.samples", 0): 7, ("ns.gone", 0): 3},  # no high watermark: left out
+    }
+    highs = {("ns.events", 0): 5, ("ns.events", 1): 9, ("ns.samples", 0): 7}
+    assert lag_rows(committed, highs) == [
+        GroupLag("ns.sink", "ns.events", 2, 3),  # 5 - 2, and 9 - 10 counts as 0
+        GroupLag("ns.sink", "ns.samples", 1, 7),
+        GroupLag("ns.trainer", "ns.samples", 1, 0),
+    ]

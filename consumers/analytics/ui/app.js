@@ -144,7 +144,7 @@ const statusCell = (r) => `<span class="status-${esc(r.status)}">${esc(r.status)
 
 async function dashboard() {
   const views = ["reward_by_policy", "rollouts_by_status", "stages", "tokens_per_rollout", "staleness", "train_steps"];
-  const [health, ...tables] = await Promise.all([api("/health"), ...views.map((v) => api(`/reports/${v}`))]);
+  const [health, thr, lag, ...tables] = await Promise.all([api("/health"), api("/ui/api/throughput"), api("/ui/api/lag"), ...views.map((v) => api(`/reports/${v}`))]);
   const t = Object.fromEntries(views.map((v, i) => [v, rowsOf(tables[i])]));
   const statuses = t.rollouts_by_status;
   const total = statuses.reduce((a, r) => a + r.rollouts, 0);
@@ -158,6 +158,8 @@ async function dashboard() {
     ["rollouts", total], ["running", running], ["finished", total - running],
     ["pass rate (latest version)", last ? pct(last.pass_rate) : "–"],
     ["mean reward (latest version)", last ? fmt(last.mean_reward) : "–"],
+    ["tokens/s (last 5 min)", thr.tokens_per_s === null ? "–" : fmt(thr.tokens_per_s)],
+    ["consumer lag", lag.error ? "–" : lag.groups.reduce((a, g) => a + g.lag, 0)],
     ["samples", samples], ["policy versions", steps.length],
     ["sink dead letters", sink.dead_letters ?? "–"], ["trainer DLQ", lastStep ? fmt(lastStep.dlq) : "–"],
   ];
@@ -181,6 +183,11 @@ async function dashboard() {
     <div class="card"><h3>Sample staleness (versions behind at arrival)</h3>
       ${barChart(t.staleness.map((r) => String(r.staleness)), [{ name: "samples", values: t.staleness.map((r) => r.samples) }])}
       ${table(t.staleness, [{ key: "staleness", num: 1 }, { key: "samples", num: 1 }, { key: "share", num: 1, fmt: pct }], { id: "staleness-table" })}</div>
+    <div class="card"><h3>Throughput (per minute, last hour of calls)</h3>
+      ${lineChart(thr.minutes.map((_, i) => i - thr.minutes.length + 1), [{ name: "generated tokens / s", values: thr.minutes.map((r) => r.completion_tokens / 60) }, { name: "LLM calls / min", values: thr.minutes.map((r) => r.calls) }], { xLabel: "minutes before the newest call" })}
+      <p class="muted" id="throughput-note">${thr.last_call ? `newest call ${esc(ts(thr.last_call))}; ${fmt(thr.recent_calls)} calls and ${fmt(thr.recent_tokens)} generated tokens in the ${thr.recent_s / 60} minutes before it` : "no LLM calls yet"}</p></div>
+    <div class="card"><h3>Consumer lag (records behind, from Kafka)</h3>
+      ${lag.error ? `<p class="muted" id="lag-error">lag unavailable: ${esc(lag.error)}</p>` : table(lag.groups, [{ key: "group" }, { key: "topic" }, { key: "partitions", num: 1 }, { key: "lag", num: 1 }], { id: "lag-table" })}</div>
     <div class="card"><h3>Dead letters</h3>
       ${table([{ where: "sink (this process)", n: sink.dead_letters ?? null }, { where: "trainer (latest step)", n: lastStep ? lastStep.dlq : null }], [{ key: "where" }, { key: "n", label: "records", num: 1 }], { id: "dlq-table" })}
       <p class="muted">Sink: records the store could not map or ClickHouse refused. Trainer: samples it could not decode.</p></div>
