@@ -447,7 +447,12 @@ def _dry_run(
         n = len(found.partitions) if found is not None and found.partitions else 1
     finally:
         meta.close()
-    config = BatchConfig.from_settings(proc, route=group_route(n), events_topic=s.topics().events)
+    config = BatchConfig.from_settings(
+        proc,
+        route=group_route(n),
+        events_topic=s.topics().events,
+        real_now=lambda: time.time_ns() // 1000,
+    )
     out = process_batch(
         (SourceRecord(m.partition(), m.offset(), m.key(), m.value()) for m in records),
         config,

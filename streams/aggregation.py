@@ -79,7 +79,8 @@ class GroupBook(Book):
             reason = f"trajectory of group {gid!r} on partition {partition}, its group's is {home}"
             step.sends.append(self._dlq(key, value, CODE_MISROUTED, reason, partition, offset))
             return step
-        self.clock.observe(partition, trajectory.finished_ts, wall_us)
+        if self.clock.observe(partition, trajectory.finished_ts, wall_us):
+            tally(self.stats, "future_ts")
         slot = self.open.get(gid) or self.closed.get(gid)
         if slot is None:
             slot = self.open[gid] = Slot(GroupState(gid), partition)

@@ -56,7 +56,7 @@ from rollstream.schemas import TopicSpec
 from rollstream.schemas.dlq import HEADER_NAMES
 
 from .aggregation import GroupBook
-from .books import RolloutBook, Route, Sink, Step, Write
+from .books import PartitionClock, RolloutBook, Route, Sink, Step, Write
 from .errors import ProcessorError, TopicMissingError
 from .offsets import Admit, OffsetGuard
 from .settings import ProcessorSettings
@@ -240,6 +240,8 @@ class Processor:
             processor=s.app_id,
             route=route,
         )
+        for book in (self.rollouts, self.groups):
+            book.clock = PartitionClock(s.max_clock_ahead_us(), _wall_us)
         self.internal_topics = [
             TopicSpec(
                 changelog,

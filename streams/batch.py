@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from rollstream.schemas import Codec, Event
 
 from .aggregation import GroupBook
-from .books import GROUP_HEADER, Out, RolloutBook, Route, Sink, Step, tally
+from .books import GROUP_HEADER, Out, PartitionClock, RolloutBook, Route, Sink, Step, tally
 from .core import (
     BuilderConfig,
     GroupConfig,
@@ -100,6 +100,13 @@ class BatchConfig:
     processor: str = _BATCH_APP_ID
     route: Route | None = None
     event_partition: Route | None = None
+    # the partition clocks' bound on event times ahead of real time (books.PartitionClock);
+    # both or neither: ``real_now`` is the shell's clock (microseconds since the epoch)
+    max_clock_ahead_us: int | None = None
+    real_now: Callable[[], int] | None = None
+
+    def clock(self) -> PartitionClock:
+        return PartitionClock(self.max_clock_ahead_us, self.real_now)
 
     @classmethod
     def from_settings(
@@ -109,6 +116,7 @@ class BatchConfig:
         route: Route | None,
         events_topic: str | None = None,
         event_partition: Route | None = None,
+        real_now: Callable[[], int] | None = None,
     ) -> BatchConfig:
         """The configs a ``rollstream process`` worker with ``settings`` uses; dead letters
         name ``events_topic`` (default: the settings' own) and ``<ns>.rollstream-batch-v1``."""
@@ -121,6 +129,8 @@ class BatchConfig:
             processor=topics.name(_BATCH_APP_ID),
             route=route,
             event_partition=event_partition,
+            max_clock_ahead_us=settings.max_clock_ahead_us(),
+            real_now=real_now,
         )
 
 
@@ -162,6 +172,7 @@ class _BuilderLane:
             processor=config.processor,
             route=config.route,
         )
+        self.book.clock = config.clock()
         self.timeout = config.builder.inactivity_timeout_us
         self.due: list[tuple[int, str]] = []  # (lower bound of last_ts + timeout, rollout_id)
         self.expired = 0  # rollouts closed by the inactivity timeout while records came
@@ -246,6 +257,7 @@ class _GroupLane:
             processor=config.processor,
             route=config.route,
         )
+        self.book.clock = config.clock()
         self.timeout = config.groups.timeout_us
         self.due: list[tuple[int, str]] = []  # (opened_ts + timeout, group_id)
         self.pushed: dict[str, int] = {}  # group_id -> the deadline last pushed

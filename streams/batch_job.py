@@ -117,6 +117,10 @@ class _Output:
             raise BatchJobError(f"{left} records not delivered; errors: {self.errors[:3]}")
 
 
+def _real_now_us() -> int:
+    return time.time_ns() // 1000
+
+
 def _partitions(client: Any, topic: str, timeout_s: float) -> list[int]:
     """The partitions of ``topic`` (a consumer's or an admin client's metadata)."""
     md = client.list_topics(topic, timeout=timeout_s)
@@ -163,7 +167,7 @@ def run_batch(
         }
         ends = {p: hi for p, (lo, hi) in ranges.items() if hi > lo}
         config = BatchConfig.from_settings(
-            target, route=group_route(n_groups), events_topic=source_topic
+            target, route=group_route(n_groups), events_topic=source_topic, real_now=_real_now_us
         )
         processor = BatchProcessor(config, build_codec(target), partitions=ends)
         consumer.assign([TopicPartition(source_topic, p, ranges[p][0]) for p in ends])

@@ -134,15 +134,33 @@ class Step:
 class PartitionClock:
     """Event time per partition that keeps moving while the partition is quiet: the largest
     event time seen plus the wall time since it was seen. Live, it follows the wall clock; in a
-    replay of old events it follows their timestamps, so timeouts mean the same thing."""
+    replay of old events it follows their timestamps, so timeouts mean the same thing.
 
-    def __init__(self) -> None:
+    A producer whose clock runs ahead would drag the partition's time with it and time out every
+    other open rollout or group there. With ``max_ahead_us`` and ``real_now`` (the real time in
+    microseconds since the epoch; the shell passes it, this module reads no clock), an event
+    time more than ``max_ahead_us`` past real time counts as real time + ``max_ahead_us``:
+    ``observe`` returns True for such an event (the books count them as ``future_ts``). The
+    event itself is kept as it is; only the clock does not follow it. Events of a replay are in
+    the past, so a replay is never clamped."""
+
+    def __init__(
+        self, max_ahead_us: int | None = None, real_now: Callable[[], int] | None = None
+    ) -> None:
         self._seen: dict[int, tuple[int, int]] = {}  # partition -> (max ts, wall at that time)
+        self.max_ahead_us = max_ahead_us if real_now is not None else None
+        self.real_now = real_now
 
-    def observe(self, partition: int, ts_us: int, wall_us: int) -> None:
+    def observe(self, partition: int, ts_us: int, wall_us: int) -> bool:
+        clamped = False
+        if self.max_ahead_us is not None and self.real_now is not None:
+            bound = self.real_now() + self.max_ahead_us
+            if ts_us > bound:
+                ts_us, clamped = bound, True
         seen = self._seen.get(partition)
         if seen is None or ts_us > seen[0] + (wall_us - seen[1]):
             self._seen[partition] = (ts_us, wall_us)
+        return clamped
 
     def now(self, partition: int, wall_us: int) -> int:
         seen = self._seen.get(partition)
@@ -297,7 +315,8 @@ class RolloutBook(Book):
             reason = f"record key {key!r} is not the event's rollout_id {rid!r}"
             step.sends.append(self._dlq(key, value, CODE_WRONG_KEY, reason, partition, offset))
             return step
-        self.clock.observe(partition, event.ts, wall_us)
+        if self.clock.observe(partition, event.ts, wall_us):
+            tally(self.stats, "future_ts")
         slot = self.open.get(rid) or self.closed.get(rid)
         if slot is None:
             slot = self.open[rid] = Slot(RolloutState(rid), partition)

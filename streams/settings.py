@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
+
 from rollstream.schemas import CommonSettings
 from rollstream.schemas.events import SampleMode
 from rollstream.streams.core import AdvantageConfig, BuilderConfig, GroupConfig, SampleConfig
@@ -35,6 +37,9 @@ class ProcessorSettings(CommonSettings):
     proc_inactivity_timeout_s: float = 600.0
     proc_closed_retention_s: float = 3600.0  # closed-rollout tombstones (duplicate detection)
     proc_max_pending: int = 10_000
+    # an event time further than this past real time moves no partition clock (books.py): a
+    # producer with a clock ahead cannot time out the other rollouts and groups of its partition
+    proc_max_clock_ahead_s: float | None = Field(30.0, ge=0.0, le=86_400.0)  # none: trust all
     # group aggregator (GroupConfig, SampleConfig, AdvantageConfig)
     proc_group_size: int | None = None  # when RolloutStarted.group_size is not set
     proc_group_timeout_s: float = 900.0
@@ -76,6 +81,10 @@ class ProcessorSettings(CommonSettings):
         return self.home / "processor" / self.app_id
 
     # --- pure configs -----------------------------------------------------------------------
+
+    def max_clock_ahead_us(self) -> int | None:
+        ahead = self.proc_max_clock_ahead_s
+        return None if ahead is None else int(ahead * _S_TO_US)
 
     def builder_config(self) -> BuilderConfig:
         return BuilderConfig(

@@ -148,6 +148,37 @@ def test_the_clock_follows_event_time_and_moves_on_when_idle() -> None:
     assert clock.now(1, 70_000) == 70_000  # a partition never seen: the wall clock
 
 
+def test_a_clock_ahead_moves_no_partition_clock_past_real_time() -> None:
+    clock = PartitionClock(max_ahead_us=30_000_000, real_now=lambda: T0)
+    assert clock.observe(0, T0 - 5, wall_us=T0) is False  # live, on time
+    assert clock.observe(0, T0 + 600_000_000, wall_us=T0) is True  # 10 minutes ahead
+    assert clock.now(0, T0) == T0 + 30_000_000  # the bound, not the producer's clock
+    assert clock.observe(1, T0 - 86_400_000_000, wall_us=T0) is False  # a replay: in the past
+    assert PartitionClock(30, None).observe(0, T0 + 10**12, T0) is False  # no real clock: off
+
+
+def test_one_producer_ahead_times_out_no_other_rollout() -> None:
+    """Rollout A (on time) and rollout B, whose producer's clock is 10 minutes ahead, on one
+    partition, a 60 s inactivity timeout: B's event must not close A."""
+    rng = np.random.default_rng(3)
+    timeout = 60_000_000
+
+    def run(max_ahead: int | None) -> RolloutBook:
+        b = RolloutBook(BuilderConfig(inactivity_timeout_us=timeout), codec, source_topic=TOPIC)
+        b.clock = PartitionClock(max_ahead, real_now=lambda: T0 + 1_000)
+        a = make_rollout(rng, "a", "ga", ts=T0)[:2]  # started, one call: open
+        late = make_rollout(rng, "b", "gb", ts=T0 + 600_000_000)[:1]
+        for i, (k, v) in enumerate(records(a + late)):
+            b.on_record(0, i, k, v, T0 + 1_000)
+        b.expire(T0 + 2_000)
+        return b
+
+    trusting = run(None)  # the failure mode: the clock follows B and A times out
+    assert "a" in trusting.closed
+    bounded = run(30_000_000)
+    assert set(bounded.open) == {"a", "b"} and bounded.stats["future_ts"] == 1
+
+
 # --- crash anywhere, rebuild, replay from the committed offset ---------------------------------
 
 
