@@ -7,7 +7,8 @@ so the SDK's import path stays light). The modules that raise them re-export the
     ├── RecorderError                (sdk/recorder.py) root of the Recorder's errors
     │   └── RecorderUsageError       a call that cannot make a valid event (ValueError)
     ├── SpoolError                   (sdk/spool.py) the spool cannot be created, locked, written
-    │                                or read
+    │   │                            or read
+    │   └── SpoolFull                it holds spool_max_bytes not yet delivered
     ├── TaskSuiteError               (rollouts/tasks.py) a task or suite that cannot be loaded;
     │                                .source, .field (ValueError)
     ├── SandboxError                 (rollouts/sandbox.py) root of the sandboxes' errors
@@ -104,6 +105,7 @@ __all__ = [
     "SandboxStateError",
     "SandboxUnavailable",
     "SpoolError",
+    "SpoolFull",
     "TaskSuiteError",
 ]
 
@@ -129,6 +131,10 @@ class RecorderUsageError(RecorderError, ValueError):
 
 class SpoolError(ProducerError):
     """The spool directory cannot be created, locked, written or read."""
+
+
+class SpoolFull(SpoolError):
+    """The spool holds its ``spool_max_bytes`` of records not yet delivered."""
 
 
 # --------------------------------------------------------------------------- the proxy

@@ -39,7 +39,12 @@ serves the client's reports and owns every decision after that):
   purges the client and spools what is left, so the next process (same spool slot) sends it
   first. A process killed with SIGKILL loses only what was in memory (queue, client buffers).
 * Counters (``DeliveryStats``): sent, spooled, failed (rejected for good, e.g. too large, logged),
-  dropped (neither sent nor spooled: spool unusable, or submitted after close), deduplicated.
+  dropped (neither sent nor spooled: spool unusable or full, or submitted after close),
+  deduplicated; ``accepting``: whether a new event would be kept now. Every drop is also told
+  to the ``on_drop(events, reason)`` callback, when one is given (outside the lock).
+* Backpressure: the spool is bounded (``Spool.max_bytes``); once Kafka is unreachable and the
+  spool is full or failing, ``accepting`` is False, so a service that records what it does (the
+  proxy) answers 503 with Retry-After instead of taking work whose events it would lose.
 * The transport is a small protocol at the I/O edge: ``KafkaTransport`` (confluent-kafka) and
   ``MemoryTransport`` (in memory, with fault injection, for unit tests).
 * Without a spool (``spool=None``) nothing degrades: the client buffers and retries until
@@ -64,6 +69,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollstream.producers.sdk.spool import Spool, SpoolError, SpoolItem, SpoolRecord, record_digest
@@ -103,6 +109,7 @@ class DeliveryStats:
     in_flight: int = 0  # handed to the client, not yet acknowledged
     spool_backlog: int = 0  # in the spool now
     state: str = HEALTHY
+    accepting: bool = True  # a new event would be kept (sent, queued or spooled), not dropped
 
 
 @dataclass(slots=True)
@@ -124,8 +131,12 @@ class Delivery:
         degrade_after_s: float = 10.0,
         probe_interval_s: float = 1.0,
         close_timeout_s: float = 30.0,
+        on_drop: Callable[[int, str], None] | None = None,
     ) -> None:
         self.transport = transport
+        self.on_drop = on_drop  # (events, reason), from the thread that dropped them, unlocked
+        self._drops: list[tuple[int, str]] = []  # not yet told to on_drop
+        self._spool_refused_until = 0.0  # a spool write failed: not accepting until then
         self.spool = spool
         self.probe_topic = probe_topic
         self.queue_size = queue_size
@@ -172,7 +183,7 @@ class Delivery:
         with self._lock:
             self._submitted += 1
             if self._closed:
-                self._dropped += 1
+                self._drop(1, "submitted after the recorder was closed")
                 if not self._warned_closed:
                     self._warned_closed = True
                     log.warning("event submitted after the recorder was closed: dropped")
@@ -200,10 +211,28 @@ class Delivery:
                     self._where(),
                 )
             self._spool_locked([SpoolItem(topic, key, value, ts_ms)], front=False)
+        if self._drops:
+            self._notify()
+
+    def _drop(self, n: int, reason: str) -> None:
+        self._dropped += n
+        if self.on_drop is not None:
+            self._drops.append((n, reason))
+
+    def _notify(self) -> None:
+        """Tell ``on_drop`` of the events dropped since the last call (outside the lock: the
+        callback may submit). A callback that raises is logged, never raised into the caller."""
+        with self._lock:
+            drops, self._drops = self._drops, []
+        for n, reason in drops:
+            try:
+                self.on_drop(n, reason)  # type: ignore[misc]  # _drops is only filled with one
+            except Exception:
+                log.exception("on_drop callback failed")
 
     def _spool_locked(self, items: list[SpoolItem], *, front: bool) -> bool:
         if self.spool is None or self.spool.closed:
-            self._dropped += len(items)
+            self._drop(len(items), "Kafka cannot take them and there is no spool")
             return False
         try:
             if front:
@@ -211,11 +240,30 @@ class Delivery:
             else:
                 self.spool.extend(items)
         except (SpoolError, OSError) as exc:
-            self._dropped += len(items)
+            self._drop(len(items), f"spool write failed: {exc}")
+            self._spool_refused_until = time.monotonic() + self.probe_interval_s
             log.error("spool write failed, %d events dropped: %s", len(items), exc)
             return False
         self._spooled += len(items)
         return True
+
+    @property
+    def accepting(self) -> bool:
+        """Whether a new event would be kept (handed to Kafka, queued or spooled) rather than
+        dropped: False after close, and while events go to a spool that is missing, full
+        (``spool_max_bytes``) or failed its last write (for ``probe_interval_s``). A service
+        that takes work it records (the proxy) refuses new work while this is False."""
+        if self._closed:
+            return False
+        if not self._to_spool:
+            return True
+        spool = self.spool
+        return (
+            spool is not None
+            and not spool.closed
+            and not spool.full
+            and time.monotonic() >= self._spool_refused_until
+        )
 
     def _where(self) -> str:
         return str(self.spool.path) if self.spool is not None else "nowhere (spool disabled)"
@@ -243,6 +291,7 @@ class Delivery:
             in_flight=len(self._pending),
             spool_backlog=self._backlog(),
             state=self.state,
+            accepting=self.accepting,
         )
 
     def idle(self) -> bool:
@@ -311,6 +360,8 @@ class Delivery:
             moved = self._pump()
         if self.spool is not None:
             self.spool.sync_if_due()
+        if self._drops:
+            self._notify()
         if closing and (
             now >= self._deadline or self.idle() or (self._state == DEGRADED and not self._pending)
         ):
@@ -356,7 +407,7 @@ class Delivery:
         if not self._failures:
             return
         n, self._failures = len(self._failures), []
-        self._dropped += n
+        self._drop(n, "Kafka did not take them and there is no spool")
         now = time.monotonic()
         if now - self._last_drop_log >= 10.0:
             self._last_drop_log = now

@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -163,7 +163,11 @@ class Recorder:
         *,
         transport: Transport | None = None,
         codec: Codec | None = None,
+        on_drop: Callable[[int, str], None] | None = None,
     ) -> None:
+        """``on_drop(events, reason)`` is called when events are dropped (Kafka unreachable and
+        the spool missing, full or failing; recorded after close): the harness learns it at
+        once, besides ``stats.dropped``. It runs outside the recorder's locks."""
         self.settings = settings or RecorderSettings()
         s = self.settings
         self.topic = s.topics().events
@@ -178,6 +182,7 @@ class Recorder:
                     fsync=s.spool_fsync,
                     fsync_interval_s=s.spool_fsync_interval_ms / 1000,
                     segment_bytes=s.spool_segment_bytes,
+                    max_bytes=s.spool_max_bytes,
                 )
             except SpoolError as exc:  # the harness still runs; outages then cost events
                 log.error("spool disabled (events are dropped while Kafka is down): %s", exc)
@@ -189,6 +194,7 @@ class Recorder:
             degrade_after_s=s.degrade_after_s,
             probe_interval_s=s.probe_interval_s,
             close_timeout_s=s.close_timeout_s,
+            on_drop=on_drop,
         )
         self._producer = s.producer
         self._encode = self.codec.encode  # bound once: every event goes through these two
@@ -353,6 +359,12 @@ class Recorder:
     @property
     def stats(self) -> DeliveryStats:
         return self.delivery.stats
+
+    @property
+    def accepting(self) -> bool:
+        """Whether an event recorded now would be kept (sent, queued or spooled), not dropped:
+        a service should refuse new work (503) while this is False."""
+        return self.delivery.accepting
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything recorded so far is acknowledged (False on timeout)."""

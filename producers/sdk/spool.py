@@ -20,8 +20,13 @@ Durability follows the fsync policy: ``always`` (every write), ``interval`` (``s
 called by the delivery thread), ``never`` (the OS decides). Records flagged ``uncertain`` may
 already be in Kafka (their delivery was in doubt); the reader checks them before re-sending.
 
+A spool holds at most ``max_bytes`` of records not yet acknowledged (None: no bound): ``extend``
+raises SpoolFull past it (``full`` says so beforehand). ``prepend`` is not bounded: what it
+writes was accepted already (failed deliveries, events still in memory), and losing it would
+lose acknowledged work; it is bounded by the delivery queue that holds it.
+
 Errors (producers/errors.py): SpoolError, a ProducerError, when the spool directory cannot be
-used (the OSError wrapped).
+used (the OSError wrapped); SpoolFull, a SpoolError, when it holds ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollstream.producers.errors import SpoolError
+from rollstream.producers.errors import SpoolError, SpoolFull
 
 __all__ = [
     "FsyncPolicy",
     "Spool",
     "SpoolError",
+    "SpoolFull",
     "SpoolItem",
     "SpoolRecord",
     "record_digest",
@@ -185,8 +191,10 @@ class Spool:
         fsync: FsyncPolicy = "interval",
         fsync_interval_s: float = 0.2,
         segment_bytes: int = 64 << 20,
+        max_bytes: int | None = None,
     ) -> None:
         self.directory = Path(directory)
+        self.max_bytes = max_bytes
         self.fsync = fsync
         self.fsync_interval_s = fsync_interval_s
         self.segment_bytes = segment_bytes
@@ -322,6 +330,16 @@ class Spool:
         with self._lock:
             return sum(s.unread for s in self._segments.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of records written and not yet acknowledged (the segments past their ack)."""
+        with self._lock:
+            return sum(s.size - s.ack_off for s in self._segments.values())
+
+    @property
+    def full(self) -> bool:
+        return self.max_bytes is not None and self.held_bytes >= self.max_bytes
+
     def append(self, item: SpoolItem) -> None:
         self.extend((item,))
 
@@ -332,6 +350,13 @@ class Spool:
             return
         with self._lock:
             self._check_open()
+            if self.max_bytes is not None:
+                need = sum(map(len, data))
+                if self.held_bytes + need > self.max_bytes:
+                    raise SpoolFull(
+                        f"spool {self.path} holds {self.held_bytes} bytes; {need} more would "
+                        f"pass its bound of {self.max_bytes} (spool_max_bytes)"
+                    )
             tail = self._tail()
             try:
                 os.write(tail.fd, b"".join(data))

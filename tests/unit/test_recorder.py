@@ -648,3 +648,34 @@ def test_the_recorder_builds_its_codec_from_its_settings() -> None:
     codec = Codec()
     with Recorder(settings, transport=MemoryTransport(), codec=codec) as recorder:
         assert recorder.codec is codec
+
+
+def test_a_full_spool_stops_accepting_and_tells_the_harness(tmp_path: Path) -> None:
+    """Kafka down, a spool bounded to 64 KiB: once it is full, ``accepting`` is False, every
+    event dropped is counted and told to ``on_drop`` with the reason; when Kafka is back and
+    the spool drains, it accepts again and every event it kept arrives exactly once."""
+    transport = MemoryTransport()
+    told: list[tuple[int, str]] = []
+    recorder = Recorder(
+        make_settings(tmp_path, spool_max_bytes=1 << 16, queue_size=10),
+        transport=transport,
+        on_drop=lambda n, reason: told.append((n, reason)),
+    )
+    assert recorder.accepting and recorder.stats.accepting
+    transport.available = False
+    r = recorder.rollout(task_id="t", group_id="g")
+    wait_for(lambda: (r.reward(0.5, "partial"), recorder.stats.state == "degraded")[1])
+    while recorder.accepting:
+        r.reward(0.25, "partial")  # ~90 bytes an event: the 64 KiB spool fills
+    assert recorder.stats.spool_backlog > 0 and not recorder.stats.accepting
+    r.reward(1.0, "partial")  # the harness went on regardless: dropped, counted, told
+    r.reward(1.0, "partial")
+    wait_for(lambda: sum(n for n, _ in told) == recorder.stats.dropped >= 2)
+    assert all("spool_max_bytes" in reason for _, reason in told)
+    transport.available = True
+    wait_for(lambda: recorder.accepting and recorder.stats.spool_backlog == 0, timeout=10)
+    r.finish()
+    stats = recorder.close()
+    kept = consumed(transport)
+    assert len(kept) == stats.submitted - stats.dropped and stats.failed == 0
+    assert len({e.event_id for e in kept}) == len(kept)  # exactly once

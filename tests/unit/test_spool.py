@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.producers.sdk.spool import Spool, SpoolItem, record_digest
+from rollstream.producers.sdk.spool import Spool, SpoolFull, SpoolItem, record_digest
 
 
 def item(i: int, *, topic: str = "t", uncertain: bool = False, size: int = 10) -> SpoolItem:
@@ -209,3 +209,26 @@ def test_orphaned_slots_are_adopted_in_order(tmp_path: Path) -> None:
     assert drain(c) == [9, 0, 1, 2, 5]
     assert not list(b.path.glob("*.seg"))
     c.close()
+
+
+def test_the_spool_is_bounded_and_frees_room_as_records_are_acked(tmp_path: Path) -> None:
+    item = SpoolItem("t", b"k", b"v" * 100, 1)
+    spool = Spool(tmp_path, fsync="never", max_bytes=1_000)
+    with pytest.raises(SpoolFull, match="spool_max_bytes"):
+        spool.extend([item] * 20)  # all or nothing: none of the 20 written
+    assert spool.backlog == 0 and not spool.full
+    while not spool.full:
+        try:
+            spool.append(item)
+        except SpoolFull:
+            break
+    held = spool.backlog
+    assert 0 < held < 20 and spool.held_bytes <= 1_000
+    spool.prepend([item] * 5)  # accepted work is never refused: prepend is not bounded
+    assert spool.backlog == held + 5 and spool.full
+    while batch := spool.read(max_records=100):
+        for rec in batch:
+            spool.ack(rec)
+    assert spool.held_bytes == 0 and not spool.full
+    spool.append(item)  # room again
+    spool.close()
