@@ -132,6 +132,8 @@ def serve_proxy(
     kw: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
     if http_client:
         kw["proxy_http_client"] = http_client
+    if "proxy_rate_limit_rps" in ProxySettings.model_fields:  # closed-loop streams: no limit
+        kw["proxy_rate_limit_rps"] = 0
     settings = ProxySettings(
         proxy_backends=[backend], proxy_model_path=Path(model_path), proxy_api_keys=[ADMIN],
         spool_dir=None, proxy_port=port, namespace=f"bench{os.getpid()}", **kw,

@@ -52,8 +52,11 @@ except ImportError:  # pragma: no cover - orjson is optional
     JSONDecodeError = ValueError
 
 __all__ = [
+    "BRANCH_ID_PATTERN",
     "ERROR_TYPES",
     "FINISH_REASONS",
+    "MAX_BRANCHES",
+    "MAX_BRANCH_REASON",
     "MAX_CHOICES",
     "MAX_JSON_DEPTH",
     "MAX_REWARDS",
@@ -261,6 +264,9 @@ def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
 MAX_CHOICES = 16  # n of one chat request: that many backend samples of one prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's limit
 MAX_REWARDS = 1_000  # rewards in one POST /v1/rollouts/{id}/rewards
+MAX_BRANCHES = 1_000  # branch points of one rollout (POST /v1/rollouts/{id}/branches)
+MAX_BRANCH_REASON = 4_096  # characters of a branch point's reason
+BRANCH_ID_PATTERN = r"^[A-Za-z0-9_\-]{1,128}$"  # a branch_id the harness names
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from rollstream.producers.proxy.openai_wire import (
+    BRANCH_ID_PATTERN,
     ERROR_TYPES,
+    MAX_BRANCH_REASON,
     MAX_CHOICES,
     MAX_JSON_DEPTH,
     MAX_REWARDS,
     MAX_TOP_LOGPROBS,
 )
-from rollstream.schemas import REWARD_BOUND, RewardKind, RolloutStatus
+from rollstream.schemas import REWARD_BOUND, BranchKind, RewardKind, RolloutStatus
 from rollstream.schemas.events import (
     METADATA_MAX_KEYS,
     POLICY_VERSION_MAX,
@@ -78,6 +80,12 @@ _REWARDS = {"oneOf": [_REWARD, _schema("rewards", rewards={
     "type": "array", "minItems": 1, "maxItems": MAX_REWARDS, "items": _REWARD})]}  # fmt: skip
 _TOOL = _schema("name", name=_S, arguments=_ANY, result=_S, is_error=_B, duration_ms=_N,
                 sandbox=_S, at_call_id=_S, tool_call_id=_S)  # fmt: skip
+_BRANCH = _schema(
+    "", kind={"enum": [k.value for k in BranchKind], "default": BranchKind.FORK.value},
+    source_call_id={**_S, "description": "a model call of this rollout (its call_id)"},
+    reason={**_S, "maxLength": MAX_BRANCH_REASON},
+    branch_id={**_S, "pattern": BRANCH_ID_PATTERN},
+)  # fmt: skip
 _FINISH = _schema("", status={"enum": [s.value for s in RolloutStatus]}, error=_S)
 _LIFECYCLE = _schema(
     "events",
@@ -92,7 +100,8 @@ _WEIGHTS = _schema("path version", path=_S, version=_int(0, POLICY_VERSION_MAX))
 _JOB = _schema("tasks agent", job_id=_S, tasks=_OBJ, samples_per_task=_I, agent=_OBJ,
                sandbox=_OBJ, evaluator=_OBJ, timeouts=_OBJ, attempts=_I, run_id=_S,
                policy=_S)  # fmt: skip
-_CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409", "401"
+# a rollout token's requests may be rate-limited (429); the admin key's are not
+_CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409 429", "401"
 
 # (path, method, summary, security, request body schema, error statuses)
 _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
@@ -123,11 +132,14 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
      _ROLL),
     ("/v1/rollouts/{rollout_id}/tool_calls", "post", "record a tool call the harness ran",
      "rolloutToken", _TOOL, _ROLL),
+    ("/v1/rollouts/{rollout_id}/branches", "post",
+     "record an explicit branch point (201 {branch_id}); the next call continuing "
+     "source_call_id is recorded under it", "rolloutToken", _BRANCH, _ROLL),
     ("/v1/rollouts/{rollout_id}/finish", "post", "finish a rollout", "rolloutToken", _FINISH,
      _ROLL),
     ("/v1/rollouts/{rollout_id}/events", "post",
      "record lifecycle facts (stage, sandbox, evaluator output)", "adminKey", _LIFECYCLE,
-     _ROLL),
+     "400 401 403 404 409"),
     ("/v1/traces", "post",
      "OTLP/HTTP trace export (ExportTraceServiceRequest, application/x-protobuf or "
      "application/json): GenAI spans become rollout events", "adminKey", _OTLP,

@@ -8,6 +8,8 @@ routes a harness that speaks only HTTP uses to create a rollout, post rewards an
                                                       or {"rewards": [...]}
     POST /v1/rollouts/{rollout_id}/tool_calls its token {name, arguments, result, is_error,
                                                       duration_ms, sandbox, at_call_id}
+    POST /v1/rollouts/{rollout_id}/branches its token {kind, source_call_id, reason, branch_id}
+                                           -> 201 {branch_id}: an explicit branch point (Branch)
     POST /v1/rollouts/{rollout_id}/finish  its token  {status, error}
     POST /v1/rollouts/{rollout_id}/events  admin key  {"events": [{type: stage | sandbox |
                                            evaluator_output, ...}]}: lifecycle facts of the
@@ -27,6 +29,15 @@ Tokens: ``rs1.<rollout_id>.<sig>`` with sig = base64url(HMAC-SHA256(secret, roll
 token opens only the rollout named in it: a bad signature is 401, a good token used on another
 rollout's URL is 403. Admin keys (``proxy_api_keys``) open everything; with no admin key set the
 admin routes are open (local use) and a warning is logged at start. Secrets are never logged.
+Every request a rollout token opens (its model calls and these routes) takes a token from its
+rollout's bucket (``Auth.limiter``, ratelimit.py): over the rate, 429 ``rate_limit_exceeded``
+with ``Retry-After``, before the body is read; admin keys are not limited.
+
+Branch points: ``POST .../branches`` records a Branch event as ``RolloutHandle.branch`` does
+(``source_call_id`` must be a call of the rollout: 400 naming it, since the trajectory builder
+would dead-letter the event). The rollout's next model call, if its prompt continues the source
+call's full sequence, goes on the wire under that call (the SDK's ``ContextTrie.add``), so the
+trajectory tree hangs it there.
 
 Every event goes through the SDK (``Recorder`` -> ``RolloutHandle``): ordered per rollout,
 spooled while Kafka is away, never lost by the proxy once accepted.
@@ -55,6 +66,9 @@ from rollstream.producers.errors import ApiError, ProxyConfigError
 from rollstream.producers.proxy.chat import ChatMemory
 from rollstream.producers.proxy.lifecycle import parse_lifecycle
 from rollstream.producers.proxy.openai_wire import (
+    BRANCH_ID_PATTERN,
+    MAX_BRANCH_REASON,
+    MAX_BRANCHES,
     MAX_REWARDS,
     Answer,
     HttpRequest,
@@ -63,8 +77,9 @@ from rollstream.producers.proxy.openai_wire import (
     number,
 )
 from rollstream.producers.proxy.pool import BackendPool
+from rollstream.producers.proxy.ratelimit import RateLimiter, retry_after
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError, RolloutHandle
-from rollstream.schemas import REWARD_BOUND, RewardKind, RolloutStatus
+from rollstream.schemas import REWARD_BOUND, BranchKind, RewardKind, RolloutStatus
 from rollstream.schemas.events import (
     SAFE_INT_MAX,
     SAMPLING_MAX_KEYS,
@@ -81,6 +96,8 @@ __all__ = [
 ]
 
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+NOT_DURABLE_RETRY_S = 5  # Retry-After of a 503 while events cannot be made durable
+BRANCH_ID = re.compile(BRANCH_ID_PATTERN)
 # Who may post a rollout's final reward: its evaluator (the admin key; the default) or also its
 # harness (its rollout token), chosen by whoever creates the rollout.
 FINAL_REWARDS = ("evaluator", "harness")
@@ -124,8 +141,18 @@ class RolloutTokens:
 
 
 class Auth:
-    def __init__(self, tokens: RolloutTokens, admin_keys: Sequence[str]) -> None:
+    """Admin keys and rollout tokens; ``limiter`` (None: no limit) rate-limits every request a
+    rollout token opens, by rollout."""
+
+    def __init__(
+        self,
+        tokens: RolloutTokens,
+        admin_keys: Sequence[str],
+        *,
+        limiter: RateLimiter | None = None,
+    ) -> None:
         self.tokens = tokens
+        self.limiter = limiter
         self._admin = [k.encode() for k in admin_keys if k]
 
     @property
@@ -160,7 +187,21 @@ class Auth:
             raise ApiError(401, "invalid rollout token", code="unauthorized")
         if rollout_id is not None and owner != rollout_id:
             raise ApiError(403, "this token belongs to another rollout", code="forbidden")
+        if self.limiter is not None:
+            self._throttle(self.limiter, owner)
         return owner
+
+    @staticmethod
+    def _throttle(limiter: RateLimiter, rollout_id: str) -> None:
+        """429 ``rate_limit_exceeded`` with Retry-After when the rollout's bucket is empty."""
+        wait = limiter.take(rollout_id)
+        if wait > 0:
+            msg = (
+                f"Rate limit reached for rollout {rollout_id}: {limiter.rate:g} requests per "
+                f"second (burst {limiter.burst:g}). Please try again in {wait:.2f}s."
+            )
+            headers = {"Retry-After": str(retry_after(wait))}
+            raise ApiError(429, msg, code="rate_limit_exceeded", headers=headers)
 
 
 # --------------------------------------------------------------------------- registry
@@ -175,6 +216,7 @@ class OpenRollout:
     errors: int = 0
     drift_tokens: int = 0
     harness_final: bool = False  # created with final_rewards="harness": its token may score it
+    branch_ids: set[str] = field(default_factory=set)  # posted branch points (MAX_BRANCHES)
 
     @property
     def rollout_id(self) -> str:
@@ -192,6 +234,7 @@ class Rollouts:
         self.finished: OrderedDict[str, str] = OrderedDict()
         self.keep_finished = keep_finished
         self.created = 0
+        self.refused_not_durable = 0  # requests answered 503 by ``durable``
 
     def create(
         self, *, rollout_id: str | None = None, harness_final: bool = False, **started: Any
@@ -203,6 +246,7 @@ class Rollouts:
             raise ApiError(
                 409, f"rollout {rid} already exists", code="rollout_exists", param="rollout_id"
             )
+        self.durable()
         try:
             handle = self.recorder.rollout(
                 rollout_id=rid, policy_version=self.pool.policy_version, **started
@@ -214,9 +258,26 @@ class Rollouts:
         self.created += 1
         return ro
 
+    def durable(self) -> None:
+        """503 with Retry-After while the recorder would drop new events (Kafka unreachable and
+        its spool missing, full or failing: ``Recorder.accepting``): the proxy takes no work
+        whose events it would lose. Nothing accepted before is dropped by this."""
+        if not self.recorder.accepting:
+            self.refused_not_durable += 1
+            raise ApiError(
+                503,
+                "events cannot be made durable now (Kafka is unreachable and the proxy's spool "
+                f"is full or failing); retry in {NOT_DURABLE_RETRY_S} s",
+                code="events_not_durable",
+                headers={"Retry-After": str(NOT_DURABLE_RETRY_S)},
+            )
+
     def get(self, rollout_id: str) -> OpenRollout:
+        """The open rollout a request writes to (404 unknown, 409 finished, 503 while events
+        cannot be made durable)."""
         ro = self.open.get(rollout_id)
         if ro is not None:
+            self.durable()
             ro.last_seen = time.monotonic()
             return ro
         if rollout_id in self.finished:
@@ -403,6 +464,52 @@ class RolloutApi:
         except RecorderUsageError as exc:
             raise ApiError(409, str(exc), code="rollout_finished") from exc
         return json_answer({"rollout_id": ro.rollout_id, "tool_call_id": tid})
+
+    async def branches(self, request: HttpRequest) -> Answer:
+        """An explicit branch point: {kind (retry | rewind | fork | subagent | summarize; fork),
+        source_call_id, reason, branch_id}, recorded as a Branch event (``RolloutHandle.branch``)
+        -> 201 {branch_id}. ``source_call_id`` must name a model call of this rollout (400
+        naming it); the rollout's next call continuing that call's sequence is recorded under it
+        (``ContextTrie.add``). A ``branch_id`` posted before is answered 200 ``duplicate: true``
+        and not recorded again (a retried request)."""
+        ro = self._open(request)
+        body = await request.json()
+        try:
+            kind = BranchKind(_opt_str(body, "kind", BranchKind.FORK.value))
+        except ValueError:
+            kinds = ", ".join(k.value for k in BranchKind)
+            raise ApiError(400, f"`kind` must be one of {kinds}", param="kind") from None
+        source = _opt_str(body, "source_call_id", None)
+        reason = _opt_str(body, "reason") or ""
+        if len(reason) > MAX_BRANCH_REASON:
+            msg = f"`reason` is longer than {MAX_BRANCH_REASON} characters"
+            raise ApiError(400, msg, param="reason", code="invalid_value")
+        branch_id = _opt_str(body, "branch_id", None)
+        if branch_id is not None and not BRANCH_ID.fullmatch(branch_id):
+            msg = "`branch_id` must match [A-Za-z0-9_-]{1,128}"
+            raise ApiError(400, msg, param="branch_id", code="invalid_value")
+        if ro.handle.finished:  # finished while the body was read
+            raise ApiError(409, f"rollout {ro.rollout_id} is finished", code="rollout_finished")
+        if source is not None and source not in ro.handle.context:
+            shown = source if len(source) <= 64 else source[:64] + "..."
+            msg = f"`source_call_id` {shown!r} is not a model call of rollout {ro.rollout_id}"
+            raise ApiError(400, msg, param="source_call_id", code="unknown_call")
+        if branch_id is not None and branch_id in ro.branch_ids:
+            return json_answer(
+                {"rollout_id": ro.rollout_id, "branch_id": branch_id, "duplicate": True}
+            )
+        if len(ro.branch_ids) >= MAX_BRANCHES:
+            msg = f"rollout {ro.rollout_id} has {MAX_BRANCHES} branch points already"
+            raise ApiError(409, msg, code="too_many_branches")
+        try:
+            branch_id = ro.handle.branch(
+                kind, source_call_id=source, reason=reason, branch_id=branch_id
+            )
+        except RecorderUsageError as exc:
+            raise ApiError(409, str(exc), code="rollout_finished") from exc
+        ro.branch_ids.add(branch_id)
+        answer = {"rollout_id": ro.rollout_id, "branch_id": branch_id, "kind": kind.value}
+        return json_answer({**answer, "source_call_id": source}, 201)
 
     async def rewards(self, request: HttpRequest) -> Answer:
         ro = self._open(request)

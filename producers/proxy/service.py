@@ -19,6 +19,10 @@ Routes (docs/proxy.md; GET /openapi.json describes them; ``Proxy.endpoints()`` i
     trace receiver /v1/traces (otlp_api.py) and the admin routes
     /v1/admin/{pause,drain,resume,update_weights,status}
 
+Every request opened by a rollout token (the model calls above, the rollout API) is
+rate-limited per rollout (``proxy_rate_limit_rps``, ``proxy_rate_limit_burst``; ratelimit.py):
+429 ``rate_limit_exceeded`` with Retry-After, checked with the token, before the body is read.
+
 One request, one pipeline. After the rollout token is checked (``open_rollout``) and the body
 read (413 past the limit), a chat call is seven steps, each one function called once, in this
 order, each consuming what the one before produced:
@@ -115,6 +119,7 @@ from rollstream.producers.proxy.openapi import OPENAPI
 from rollstream.producers.proxy.otlp_api import OtlpApi
 from rollstream.producers.proxy.policy_watch import PolicyWatcher
 from rollstream.producers.proxy.pool import BackendPool
+from rollstream.producers.proxy.ratelimit import RateLimiter
 from rollstream.producers.proxy.responses_api import ResponsesApi
 from rollstream.producers.proxy.rollout_api import (
     Auth,
@@ -178,9 +183,15 @@ class Proxy:
         self._owns_recorder, self._owns_pool = owns_recorder, owns_pool
         s = settings
         secret = s.proxy_token_secret.get_secret_value().encode() if s.proxy_token_secret else None
+        limiter = None
+        if s.proxy_rate_limit_rps > 0:
+            limiter = RateLimiter(
+                s.proxy_rate_limit_rps, s.proxy_rate_limit_burst, clock=time.monotonic
+            )
         self.auth = Auth(
             RolloutTokens(secret or secrets.token_bytes(32)),
             [k.get_secret_value() for k in s.proxy_api_keys],
+            limiter=limiter,
         )
         self.rollouts = Rollouts(recorder, pool)
         self.api = RolloutApi(self.rollouts, self.auth, public_url=s.proxy_public_url)
@@ -608,6 +619,8 @@ class Proxy:
                 "drift_tokens_open": sum(ro.drift_tokens for ro in r.open.values()),
                 "delivery": dataclasses.asdict(self.recorder.stats),
                 "otlp": dataclasses.asdict(self.otlp.stats),
+                "rate_limited": limiter.limited if (limiter := self.auth.limiter) else 0,
+                "refused_not_durable": r.refused_not_durable,
             }
         )
 
@@ -630,6 +643,7 @@ class Proxy:
             ("/v1/rollouts/{rollout_id}", "GET", api.get),
             ("/v1/rollouts/{rollout_id}/rewards", "POST", api.rewards),
             ("/v1/rollouts/{rollout_id}/tool_calls", "POST", api.tool_calls),
+            ("/v1/rollouts/{rollout_id}/branches", "POST", api.branches),
             ("/v1/rollouts/{rollout_id}/finish", "POST", api.finish),
             ("/v1/rollouts/{rollout_id}/events", "POST", api.events),
             ("/v1/traces", "POST", self.otlp.traces),

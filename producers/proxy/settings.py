@@ -68,9 +68,9 @@ class ProxySettings(RecorderSettings):
     proxy_rollout_idle_s: float = 3600.0  # rollouts idle this long are finished (timeout)
     proxy_log_level: str = "warning"
     proxy_follow_policy: bool = False  # consume policy.versions: pause, drain, reload, resume
-    # requests per second per rollout token (model calls and rollout API; admin keys are not
-    # limited); 0: no limit. Over it: 429 rate_limit_exceeded with Retry-After (ratelimit.py)
-    proxy_rate_limit_rps: float = Field(20.0, ge=0, le=100_000, allow_inf_nan=False)
+    # rate limit per rollout token (its model calls and rollout API requests; admin keys are not
+    # limited): a token bucket (ratelimit.py); over it, 429 rate_limit_exceeded + Retry-After
+    proxy_rate_limit_rps: float = Field(20.0, ge=0, le=1e5)  # requests/s per token; 0: no limit
     proxy_rate_limit_burst: int = Field(40, ge=1, le=1_000_000)  # requests a token may burst
 
     _lists = field_validator("proxy_backends", "proxy_api_keys", mode="before")(_split_list)

@@ -166,6 +166,7 @@ class ContextTrie:
         self._reset()
 
     def _reset(self) -> None:
+        self.anchor: str | None = None  # an explicit branch point's call, for the next add
         self._root = _Node(np.zeros(0, _U32), None, 0)
         self._ends: dict[str, _Node] = {}
         self._epoch = 0
@@ -325,7 +326,28 @@ class ContextTrie:
     # --- insert ------------------------------------------------------------------------------
 
     def add(self, call_id: str, prompt_ids: Any, completion_ids: Any = ()) -> ContextMatch:
-        """Record a call; returns where its prompt attaches (computed before recording it)."""
+        """Record a call; returns where its prompt attaches (computed before recording it).
+
+        After an explicit branch point naming call X (``anchor = X``, set by
+        ``RolloutHandle.branch``), the next call recorded attaches under X when its prompt
+        continues X's full sequence (prompt + completion): parent X, ``prefix_len`` = that
+        sequence's length. Without it the longest shared prefix decides, and a harness that
+        rewinds to X after X already had a child Y would hang the new call inside Y (the chat
+        template's next header follows X's reply in both). The anchor is one-shot: the next
+        call takes it whether it continues X or not."""
+        source, self.anchor = self.anchor, None
+        if source is None:
+            return self._add(call_id, prompt_ids, completion_ids)
+        match = self._add(call_id, prompt_ids, completion_ids)
+        if source == match.parent_call_id or source == call_id or source not in self._ends:
+            return match
+        n = self.sequence_len(source)
+        prompt = _tokens(prompt_ids)
+        if n == 0 or len(prompt) < n or common_prefix(self.sequence(source), prompt[:n]) < n:
+            return match
+        return ContextMatch(source, n, prompt[n:])
+
+    def _add(self, call_id: str, prompt_ids: Any, completion_ids: Any = ()) -> ContextMatch:
         if call_id in self._ends:
             raise ContextError(f"call {call_id!r} is already recorded in this rollout")
         prompt = _tokens(prompt_ids)

@@ -565,12 +565,16 @@ class RolloutHandle:
         reason: str = "",
         branch_id: str | None = None,
     ) -> str:
-        """Record an explicit branch point (retry, rewind, fork, subagent, summarize)."""
+        """Record an explicit branch point (retry, rewind, fork, subagent, summarize). With
+        ``source_call_id`` X, the next ``llm_call`` whose prompt continues X's full sequence is
+        recorded under X (``ContextTrie.add``), even when a later call of X shares more."""
         branch_id = branch_id or _ulid()
         body = Branch(branch_id, _enum(BranchKind, kind), source_call_id, reason)
         with self._lock:
             self._check_open("branch")
             self._emit(body)
+            if source_call_id is not None:
+                self.context.anchor = source_call_id
         return branch_id
 
     def error(

@@ -23,9 +23,8 @@ class RecorderSettings(CommonSettings):
     spool_fsync: Literal["always", "interval", "never"] = "interval"  # when the spool fsyncs
     spool_fsync_interval_ms: int = 200  # with spool_fsync=interval
     spool_segment_bytes: int = 64 << 20  # spool file size before the next segment
-    # undelivered bytes the spool may hold; past it new events are dropped (counted, on_drop)
-    # and the proxy answers 503 (``Recorder.accepting``)
-    spool_max_bytes: int = Field(1 << 30, ge=1 << 16, le=1 << 40)
+    # past it new events are dropped (counted, on_drop) and the proxy answers 503 (accepting)
+    spool_max_bytes: int = Field(1 << 30, ge=1 << 16, le=1 << 40)  # undelivered bytes held
     linger_ms: float = 5.0  # librdkafka linger.ms
     batch_size: int = 1_000_000  # librdkafka batch.size (bytes)
     # zstd: events are kept for good (replay) and token IDs compress well; the broker's CPU per

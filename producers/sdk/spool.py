@@ -21,9 +21,10 @@ called by the delivery thread), ``never`` (the OS decides). Records flagged ``un
 already be in Kafka (their delivery was in doubt); the reader checks them before re-sending.
 
 A spool holds at most ``max_bytes`` of records not yet acknowledged (None: no bound): ``extend``
-raises SpoolFull past it (``full`` says so beforehand). ``prepend`` is not bounded: what it
-writes was accepted already (failed deliveries, events still in memory), and losing it would
-lose acknowledged work; it is bounded by the delivery queue that holds it.
+raises SpoolFull past it; ``full`` says so a reserve (1/16, at most 16 MiB) before. ``prepend``
+is not bounded: what it writes was accepted already (failed deliveries, events still in
+memory), and losing it would lose acknowledged work; it is bounded by the delivery queue that
+holds it.
 
 Errors (producers/errors.py): SpoolError, a ProducerError, when the spool directory cannot be
 used (the OSError wrapped); SpoolFull, a SpoolError, when it holds ``max_bytes``.
@@ -338,7 +339,13 @@ class Spool:
 
     @property
     def full(self) -> bool:
-        return self.max_bytes is not None and self.held_bytes >= self.max_bytes
+        """Held bytes have reached ``max_bytes`` less a reserve (1/16 of it, at most 16 MiB):
+        a service that stops taking work when the spool is full still has room for the events
+        of the work it took before (``extend`` itself refuses only past ``max_bytes``)."""
+        if self.max_bytes is None:
+            return False
+        reserve = min(self.max_bytes // 16, 16 << 20)
+        return self.held_bytes >= self.max_bytes - reserve
 
     def append(self, item: SpoolItem) -> None:
         self.extend((item,))

@@ -59,6 +59,36 @@ def test_edited_context_is_a_rewind() -> None:
     assert m.prefix_len < trie.sequence_len("a")
 
 
+def test_an_explicit_branch_point_anchors_the_next_call() -> None:
+    """After anchor = X (RolloutHandle.branch), the next call continuing X's sequence goes on
+    the wire under X, not under the later call that shares a longer prefix; the anchor is
+    one-shot, and a call that does not continue X keeps the longest-prefix match."""
+    ctx = ContextTrie()
+    ctx.add("x", [1, 2, 3], [4, 5])  # X: sequence 1 2 3 4 5
+    ctx.add("y", [1, 2, 3, 4, 5, 6, 7], [8])  # Y continues X with 6 7
+    rewind = [1, 2, 3, 4, 5, 6, 9]  # from X again: shares 6 with Y
+    assert ctx.match(rewind)[:2] == ("y", 6)  # the longest prefix alone: inside Y
+    ctx.anchor = "x"
+    got = ctx.add("z", rewind, [10])
+    assert (got.parent_call_id, got.prefix_len, got.prompt_delta.tolist()) == ("x", 5, [6, 9])
+    assert ctx.anchor is None
+    assert ctx.add("w", [1, 2, 3, 4, 5, 6, 11], [12])[:2] == ("z", 6)  # one-shot
+    ctx.anchor = "x"  # the next call does not continue X: the trie's own match
+    assert ctx.add("v", [1, 2, 7], [13])[:2] == ("w", 2) and ctx.anchor is None
+    ctx.anchor = "y"  # already the longest match: unchanged
+    assert ctx.add("u", [1, 2, 3, 4, 5, 6, 7, 8, 14], [15])[:2] == ("y", 8)
+    ctx.anchor = "nope"  # not a call of this rollout: ignored
+    assert ctx.add("t", [1, 2, 3, 4, 5, 6, 7, 8, 14, 15, 1], [2])[:2] == ("u", 10)
+    full = ContextTrie()  # every reader rebuilds the same prompts from the wire deltas
+    for call_id, parent, prefix, delta, completion in (
+        ("x", None, 0, [1, 2, 3], [4, 5]),
+        ("y", "x", 5, [6, 7], [8]),
+        ("z", "x", 5, [6, 9], [10]),
+    ):
+        full.add_delta(call_id, parent, prefix, delta, completion)
+    assert full.sequence("z").tolist() == [*rewind, 10]
+
+
 def test_prompt_ending_inside_a_completion() -> None:
     trie = ContextTrie()
     trie.add("a", arr(1, 2), arr(3, 4, 5))

@@ -668,9 +668,10 @@ def test_a_full_spool_stops_accepting_and_tells_the_harness(tmp_path: Path) -> N
     while recorder.accepting:
         r.reward(0.25, "partial")  # ~90 bytes an event: the 64 KiB spool fills
     assert recorder.stats.spool_backlog > 0 and not recorder.stats.accepting
-    r.reward(1.0, "partial")  # the harness went on regardless: dropped, counted, told
-    r.reward(1.0, "partial")
-    wait_for(lambda: sum(n for n, _ in told) == recorder.stats.dropped >= 2)
+    assert recorder.stats.dropped == 0  # "full" leaves a reserve for work taken before
+    for _ in range(1_000):  # a harness that goes on regardless: past the bound, dropped
+        r.reward(1.0, "partial")
+    wait_for(lambda: sum(n for n, _ in told) == recorder.stats.dropped > 0)
     assert all("spool_max_bytes" in reason for _, reason in told)
     transport.available = True
     wait_for(lambda: recorder.accepting and recorder.stats.spool_backlog == 0, timeout=10)
@@ -679,3 +680,18 @@ def test_a_full_spool_stops_accepting_and_tells_the_harness(tmp_path: Path) -> N
     kept = consumed(transport)
     assert len(kept) == stats.submitted - stats.dropped and stats.failed == 0
     assert len({e.event_id for e in kept}) == len(kept)  # exactly once
+
+
+def test_a_branch_point_hangs_the_next_call_under_its_source(tmp_path: Path) -> None:
+    transport = MemoryTransport()
+    with Recorder(make_settings(tmp_path), transport=transport) as recorder:
+        with recorder.rollout(task_id="t", group_id="g") as r:
+            lp = np.zeros(1, np.float32)
+            x = r.llm_call([1, 2, 3], [4], lp)
+            r.llm_call([1, 2, 3, 4, 7, 8], [9], lp)  # y: x's sequence + a header 7 + more
+            r.branch("rewind", source_call_id=x, reason="back to x")
+            r.llm_call([1, 2, 3, 4, 7, 5], [6], lp)  # from x again, sharing the header with y
+        assert recorder.flush(5)
+    calls = [e.body for e in consumed(transport) if isinstance(e.body, LlmCall)]
+    assert (calls[2].parent_call_id, calls[2].prefix_len) == (x, 4)
+    assert calls[2].prompt_delta.tolist() == [7, 5]
