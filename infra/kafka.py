@@ -114,6 +114,11 @@ class BrokerConfig:
     min_insync: int = 1
     # Local-run tuning (NOTES.md): no initial rebalance delay, quick group joins.
     extra: dict[str, str] = field(default_factory=dict)
+    # The client listener's protocol (PLAINTEXT, or SASL_SSL / SASL_PLAINTEXT with
+    # infra/kafka_security.py, which also fills ``extra``, ``format_args`` and ``client``):
+    listener: str = "PLAINTEXT"
+    format_args: tuple[str, ...] = ()  # more StorageTool format arguments (--add-scram ...)
+    client: dict[str, str] = field(default_factory=dict)  # librdkafka security of the probes
 
     @property
     def bootstrap(self) -> str:
@@ -199,6 +204,7 @@ class KafkaBroker:
             "bootstrap.servers": self.bootstrap,
             "log_level": 0,
             "logger": _QuietLogger(),
+            **self.config.client,
         }
         admin = AdminClient(conf)
         try:
@@ -215,11 +221,11 @@ class KafkaBroker:
             "process.roles": "broker,controller",
             "node.id": str(c.node_id),
             "controller.quorum.voters": c.voters or f"{c.node_id}@{c.host}:{c.controller_port}",
-            "listeners": f"PLAINTEXT://{c.host}:{c.port},CONTROLLER://{c.host}:{c.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{c.host}:{c.port}",
+            "listeners": f"{c.listener}://{c.host}:{c.port},CONTROLLER://{c.host}:{c.controller_port}",
+            "advertised.listeners": f"{c.listener}://{c.host}:{c.port}",
             "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "inter.broker.listener.name": c.listener,
+            "listener.security.protocol.map": f"CONTROLLER:PLAINTEXT,{c.listener}:{c.listener}",
             "log.dirs": str(self.log_dir),
             "num.partitions": "1",
             "auto.create.topics.enable": "false",
@@ -270,6 +276,7 @@ class KafkaBroker:
             f"--cluster-id={cluster_id}",
             "-c",
             str(self.properties_file),
+            *self.config.format_args,
         )
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
