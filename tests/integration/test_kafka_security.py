@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from _processor_process import Worker, reading, sample_ids
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -138,3 +140,31 @@ def test_clients_without_the_right_credentials_get_nothing(
         assert any(e.code() == KafkaError._AUTHENTICATION for e in seen), seen
     elif change == "untrusted CA":
         assert any(e.code() == KafkaError._SSL for e in seen), seen
+
+
+def test_the_processor_runs_over_sasl_ssl(
+    secure: tuple[KafkaBroker, BrokerSecurity], tmp_path: Path
+) -> None:
+    """``rollstream process`` (faust / aiokafka) with the service's credential, fed by the SDK
+    with the harness credential: a group of two rollouts becomes two samples."""
+    broker, sec = secure
+    admin = settings_of(broker, sec, "admin")
+    ensure_topics(admin)
+    grant_harness(admin, "harness")
+    env = {f"ROLLSTREAM_{k.upper()}": str(v) for k, v in sec.client_settings("admin").items()}
+    worker = Worker(admin, tmp_path, **{})
+    worker.env.update(env)
+    worker.start()
+    try:
+        worker.wait_ready(90)
+        harness = settings_of(broker, sec, "harness", RecorderSettings, spool_dir=None)
+        with reading(admin, admin.topics().samples) as reader, Recorder(harness) as recorder:
+            for reward in (0.0, 1.0):
+                with recorder.rollout(task_id="t", group_id="g-sec", group_size=2) as r:
+                    r.llm_call([1, 2, 3], [4, 5], np.zeros(2, np.float32))
+                    r.reward(reward)
+            assert recorder.flush(30)
+            reader.wait(lambda recs: len(recs) >= 2, 60, worker)
+            assert len(sample_ids(reader.records)) == 2
+    finally:
+        worker.stop()
