@@ -25,6 +25,13 @@ store (``recover``) removes what an interrupted save left: temp dirs, and step d
 newer than ``latest``. So the manifests on disk are exactly those of the committed steps, and
 their union is the set of records the committed model has seen (``manifests``).
 
+``CheckpointStore.commit_drops`` commits records that no step trains (all stale, duplicates,
+dead letters) over the latest step without a new step: the weights, optimizer, RNG states and
+duplicate window are unchanged, so only ``meta.json`` is replaced (temp file + os.replace: the
+commit point), with offsets past those records, the counters, the manifest extended and
+``drop_commits`` + 1; then ``manifests/step-N.json``. ``recover`` rewrites the latest manifest
+from its ``meta.json`` when a crash came between the two.
+
 The model dir is a plain transformers checkpoint (``AutoModelForCausalLM.from_pretrained`` and
 the reference server's ``/v1/load_weights`` read it; so does vLLM when the tokenizer files of
 the base model are copied in, which ``save`` does with ``copy_from``).
@@ -152,6 +159,7 @@ class CheckpointMeta:
     ts: int = 0  # microseconds since the epoch
     # the trainer settings that decide what a step computes (TrainerSettings.train_config())
     train_config: dict[str, Any] = field(default_factory=dict)
+    drop_commits: int = 0  # drop-only commits over this step (CheckpointStore.commit_drops)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -177,6 +185,7 @@ class CheckpointMeta:
             base_model=str(data.get("base_model", "")),
             ts=int(data.get("ts", 0)),
             train_config=dict(data.get("train_config", {})),
+            drop_commits=int(data.get("drop_commits", 0)),
         )
 
 
@@ -432,7 +441,29 @@ class CheckpointStore:
             if f.name.startswith(_TMP_PREFIX) or (m is not None and int(m.group(1)) > last):
                 f.unlink()
                 removed.append(f"manifests/{f.name}")
+        if latest is not None:
+            removed += self._recover_drops(self.root / latest)
         self._prune(last)
+        return removed
+
+    def _recover_drops(self, path: Path) -> list[str]:
+        """After a crash in ``commit_drops``: remove its temp file, and write the manifest of
+        the committed ``meta.json`` when the manifest file is not that one."""
+        removed = []
+        for f in path.glob(_TMP_PREFIX + "*"):
+            f.unlink()
+            removed.append(f"{path.name}/{f.name}")
+        manifest = read_checkpoint(path).meta.manifest
+        if manifest is None:
+            return removed
+        manifest_file = self.root / "manifests" / f"{path.name}.json"
+        try:
+            on_disk = json.loads(manifest_file.read_text())
+        except (OSError, ValueError):
+            on_disk = None
+        if on_disk != manifest.to_json():
+            _write_atomic(manifest_file, json.dumps(manifest.to_json()), fsync=self.fsync)
+            removed.append(f"manifests/{manifest_file.name} (rewritten from {path.name})")
         return removed
 
     def _prune(self, last: int) -> None:
@@ -500,6 +531,23 @@ class CheckpointStore:
         _write_atomic(self.root / LATEST, name + "\n", fsync=self.fsync)  # the commit point
         self._prune(meta.step)
         return Checkpoint(self.root / name, meta)
+
+    def commit_drops(self, meta: CheckpointMeta) -> Checkpoint:
+        """Commit ``meta`` over the latest checkpoint, of the same step, without a new step
+        (see the module docstring): a drop-only commit of records no step trained. ``meta``
+        differs from the latest's in offsets, counters, manifest and ``drop_commits`` only;
+        the weights and the rest of the step dir stay as they are."""
+        name = self._latest_name()
+        if name != _step_name(meta.step):
+            raise CheckpointError(
+                f"a drop-only commit of step {meta.step} needs it to be the latest ({name})"
+            )
+        path = self.root / name
+        _write_atomic(path / "meta.json", json.dumps(meta.to_json()), fsync=self.fsync)
+        if meta.manifest is not None:  # after a crash before this, recover writes it
+            manifest_file = self.root / "manifests" / f"{name}.json"
+            _write_atomic(manifest_file, json.dumps(meta.manifest.to_json()), fsync=self.fsync)
+        return Checkpoint(path, meta)
 
     def trained_ids(self, checkpoint: Checkpoint) -> np.ndarray:
         """The keys of the duplicate window committed with ``checkpoint`` (uint64, oldest

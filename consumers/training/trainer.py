@@ -21,8 +21,22 @@ for lag monitoring only). A crash at any point re-reads exactly the records afte
 committed step, so no sample is trained twice or skipped. If the crash came between the commit
 and the publish, the start publishes the missing PolicyVersion (it reads the policy topic's
 last record). Version N = weights after step N; a sample is stale when
-N - sample.policy_version > max_staleness at the step that would train it; a batch that is all
-stale makes no step (its records are covered by the next step).
+N - sample.policy_version > max_staleness at the step that would train it.
+
+Drop-only commits. A batch with no sample to train (all stale, duplicates or dead letters: only
+the idle flush closes one, since such records take no room in the batcher) makes no step: the
+weights did not change, so there is no new policy version to publish, and a step number is a
+version (the ledger, the retrain follower and the loggers count on it). Its records are
+committed over the latest step instead (``CheckpointStore.commit_drops``): the same step and
+version, its ``meta.json`` replaced atomically with offsets past them, the counters
+(``stale_dropped``, ...) grown, its manifest extended (``stale``, ``duplicate``, ``dlq``) and
+``drop_commits`` + 1; the ledger gets records of that step listing them
+(``train-steps/step-N-drop-k.jsonl``); the group's offsets are committed; nothing is published
+and the weights, optimizer, RNG states and duplicate window are untouched (a retrain is still
+bit for bit). The idle flush, an exit on ``train_exit_idle_s`` and a stop make one when
+nothing trainable is pending, so every record ends trained or dropped in a committed
+checkpoint. Before the first step there is nothing to commit over: dead letters read then wait
+for step 1.
 
 Once per sample_id, too: a processor restarted after a crash re-sends samples (same ids, new
 offsets). The ids of the last ``train_dedup_window`` trained samples (``batching.TrainedIds``)
@@ -46,8 +60,18 @@ sent after its PolicyVersion, by a producer of their own, without waiting; a fil
 once the broker acknowledged every part. A refused or unacknowledged send is logged and tried
 again after the next step (and at the next start: files of steps past ``latest`` are removed,
 the others sent), so the ledger never holds up or fails a step, and is at least once (readers
-fold by coordinates: a record twice is a no-op). Stale drops always belong to a step: a batch
-that is all stale makes none, and its records are covered (and listed) by the next one.
+fold by coordinates: a record twice is a no-op). Stale drops always belong to a step: a
+drop-only commit lists its records under the step it was made over.
+
+Stopping (SIGTERM, ``stop()``): the loop returns after the current step. From the stop on,
+every wait for the broker (the step's PolicyVersion, the dead letters before a drop-only
+commit, and in ``close`` the PolicyVersion and the ledger) shares one budget of
+``STOP_FLUSH_S`` (3 s), counted from the first of them; what is not delivered then is logged
+and is not an error: the checkpoint is committed, so the next start publishes the missing
+version and sends the spooled ledger (records after the checkpoint are read again). A
+stopping trainer commits the group's offsets (lag only) only after a delivered PolicyVersion,
+and not after a drop-only commit: a commit the broker does not answer holds the consumer's
+close for its session timeout. A close after an error gets the same 3 s.
 
 Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the trainer write
 ``<checkpoint_dir>/debug-paused.json`` and sleep ``train_debug_pause_s`` at STAGE of step STEP:
@@ -72,14 +96,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from rollstream.adapters.codecs import build_codec
-from rollstream.consumers.errors import TrainerError
+from rollstream.consumers.errors import SourceError, TrainerError
 from rollstream.consumers.training.batching import (
     StalenessFilter,
     TokenBudgetBatcher,
@@ -126,6 +150,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rollstream.trainer")
+
+STOP_FLUSH_S = 3.0  # after a stop: how long the broker is waited for, all flushes together
 
 
 @dataclass
@@ -233,8 +259,11 @@ class Trainer:
         self.ledger = StepLedger(
             self.store.root, self.topics.trainer_steps, s.kafka_config(), fsync=s.checkpoint_fsync
         )
-        self.ledger.forget_after(self.step)
+        drops = 0 if self.latest is None else self.latest.meta.drop_commits
+        self.ledger.forget_after(self.step, drops)  # spooled, never committed
         self._stop = False
+        self._stopped_at: float | None = None  # monotonic time of the stop request
+        self._stop_deadline: float | None = None  # of the flushes after it (_stop_wait)
         self._reset()
         self.metrics_server = self.metrics.serve(s)
 
@@ -257,8 +286,21 @@ class Trainer:
                 self.offsets.setdefault(partition, offset)
 
     def stop(self) -> None:
-        """Ask the loop to return after the current step (signal handlers call this)."""
+        """Ask the loop to return after the current step (signal handlers call this); from
+        here on the broker gets ``STOP_FLUSH_S`` in all (``_stop_wait``)."""
         self._stop = True
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
+
+    def _stop_wait(self) -> float | None:
+        """Seconds left for the broker after a stop (None: not stopping): ``STOP_FLUSH_S``
+        counted from the first wait after the stop, for every wait together."""
+        if self._stopped_at is None:
+            return None
+        now = time.monotonic()
+        if self._stop_deadline is None:
+            self._stop_deadline = max(now, self._stopped_at) + STOP_FLUSH_S
+        return max(0.0, self._stop_deadline - now)
 
     def _done(self) -> bool:
         max_steps = self.settings.train_max_steps
@@ -290,7 +332,7 @@ class Trainer:
                 self.batcher.flush()
                 self._close_batch(self._take_pending())
             elif (
-                not self.pending
+                self.batcher.pending == 0  # records no step trains may be pending
                 and s.train_exit_idle_s is not None
                 and self.source.assignment
                 and idle >= s.train_exit_idle_s
@@ -300,6 +342,9 @@ class Trainer:
                     log.warning("idle at step %d: step %d waits for %d samples (%s)", self.step,
                                 self.step + 1, len(missing), ", ".join(missing[:5]))  # fmt: skip
                 break
+        moved = self.source.generation != self.generation  # pending is read again then
+        if self.pending and self.batcher.pending == 0 and not moved:
+            self._close_batch(self._take_pending())  # a drop-only commit: nothing to train
         return TrainResult(
             step=self.step,
             steps_run=self.step - first_step,
@@ -381,7 +426,7 @@ class Trainer:
 
     def _close_batch(self, covered: list[Polled]) -> None:
         """Drop duplicates (the intake's decision, made again), filter the rest by staleness,
-        and train on what is left (if anything)."""
+        and train on what is left; with nothing left, make a drop-only commit."""
         version = self.step  # the weights this step updates
         kept: list[Polled] = []
         seen: set[str] = set()
@@ -398,6 +443,8 @@ class Trainer:
                     self.window.stale.append(e)
         if kept:
             self._train(kept, covered)
+        else:
+            self._commit_drops()
 
     def _train(self, kept: list[Polled], covered: list[Polled]) -> None:
         """One optimizer step on the kept samples, then commit it with everything covered."""
@@ -428,10 +475,8 @@ class Trainer:
             step, policy_version=step, ts=time.time(), topic=self.topics.samples, samples=entries
         )
 
-    def _step_meta(
-        self, step: int, kept: list[Polled], covered: list[Polled], metrics: dict[str, float]
-    ) -> CheckpointMeta:
-        """The checkpoint metadata of a step: offsets past every covered record, counters."""
+    def _window_offsets(self, covered: list[Polled]) -> dict[int, int]:
+        """The next offset per partition past every record of the window and ``covered``."""
         window = self.window
         offsets = dict(self.offsets)
         for e in window.stale + window.dlq + window.duplicates + window.skipped + covered:
@@ -439,8 +484,11 @@ class Trainer:
         for e, _ in self.followed:  # following: records held for a later step are read again
             if e.partition in offsets:
                 offsets[e.partition] = min(offsets[e.partition], e.offset)
-        samples = [e.sample for e in kept if e.sample is not None]
-        tokens = sum(len(x.input_ids) for x in samples)
+        return offsets
+
+    def _window_counters(self) -> dict[str, float]:
+        """The cumulative counters with the window's drops added."""
+        window = self.window
         counters = dict(self.counters)
         counters["stale_dropped"] += window.filter.dropped
         counters["stale_tokens"] += window.filter.dropped_tokens
@@ -448,10 +496,21 @@ class Trainer:
         counters["duplicates_dropped"] += len(window.duplicates)
         if window.skipped:
             counters["follow_skipped"] = counters.get("follow_skipped", 0.0) + len(window.skipped)
-        counters["skipped_steps"] = counters.get("skipped_steps", 0.0) + metrics["skipped"]
         counters["max_staleness_seen"] = max(
             counters.get("max_staleness_seen", 0.0), float(window.filter.max_seen_staleness)
         )
+        return counters
+
+    def _step_meta(
+        self, step: int, kept: list[Polled], covered: list[Polled], metrics: dict[str, float]
+    ) -> CheckpointMeta:
+        """The checkpoint metadata of a step: offsets past every covered record, counters."""
+        window = self.window
+        offsets = self._window_offsets(covered)
+        samples = [e.sample for e in kept if e.sample is not None]
+        tokens = sum(len(x.input_ids) for x in samples)
+        counters = self._window_counters()
+        counters["skipped_steps"] = counters.get("skipped_steps", 0.0) + metrics["skipped"]
         metrics |= {
             "batch_samples": float(len(samples)),
             "batch_tokens": float(tokens),
@@ -509,10 +568,10 @@ class Trainer:
         self.loggers = log_all(self.loggers, meta)
         self.window = _Window(StalenessFilter(s.train_max_staleness))
         self._debug_pause("committed", step)
-        self._publish(ckpt)
+        published = self._publish(ckpt)
         self.ledger.send()
         self._debug_pause("published", step)
-        if s.train_commit_offsets:
+        if s.train_commit_offsets and published:  # (see _publish)
             self.source.commit(self.offsets)
         if self.on_step is not None:
             self.on_step(meta)
@@ -520,9 +579,66 @@ class Trainer:
         log.info("step %d: %d samples, %d tokens, loss %.4f, %.3fs", step, m["batch_samples"],
                  m["batch_tokens"], m["loss"], m["step_time_s"])  # fmt: skip
 
+    def _commit_drops(self) -> None:
+        """A drop-only commit (module docstring): the window's records, none of them trained,
+        committed over the latest step; no step, no PolicyVersion."""
+        w, latest = self.window, self.latest
+        if latest is None or not (w.stale or w.dlq or w.duplicates or w.skipped):
+            return  # before the first step: the window waits for step 1
+        old, topic = latest.meta, self.topics.samples
+        before = old.manifest if old.manifest is not None and old.manifest.topic == topic else None
+        before = before or Manifest(topic)  # (a step copied from another namespace: retrain)
+        meta = replace(
+            old,
+            offsets={topic: self._window_offsets([])},
+            counters=self._window_counters(),
+            manifest=Manifest(
+                topic,
+                before.trained,
+                before.stale + _coords(w.stale),
+                before.dlq + _coords(w.dlq),
+                before.duplicate + _coords(w.duplicates),
+                trained_ids=before.trained_ids,
+                skipped=before.skipped + _coords(w.skipped),
+            ),
+            drop_commits=old.drop_commits + 1,
+        )
+        stop_wait = self._stop_wait()
+        try:  # dead letters are durable before offsets move past them
+            self.source.flush(30.0 if stop_wait is None else stop_wait)
+        except SourceError as exc:
+            if stop_wait is None:
+                raise
+            left = len(w.stale) + len(w.dlq) + len(w.duplicates)
+            log.warning("stopping: %s; %d records read again at the next start", exc, left)
+            return
+        self.ledger.spool(meta.step, self._ledger_records(meta.step, []), meta.drop_commits)
+        self.latest = self.store.commit_drops(meta)
+        # committed: from here on this is the trainer's state
+        self.offsets = meta.offsets[topic]
+        self.counters = dict(meta.counters)
+        self.metrics.resume(meta)
+        self.window = _Window(StalenessFilter(self.settings.train_max_staleness))
+        self.ledger.send()
+        if self.settings.train_commit_offsets and stop_wait is None:  # (see _publish)
+            self.source.commit(self.offsets)
+        log.info(
+            "step %d: %d stale, %d duplicate, %d dead-lettered records committed without a new "
+            "step (drop-only commit %d)",
+            meta.step,
+            len(w.stale),
+            len(w.duplicates),
+            len(w.dlq),
+            meta.drop_commits,
+        )
+
     # -- policy versions
 
-    def _publish(self, ckpt: Checkpoint) -> None:
+    def _publish(self, ckpt: Checkpoint) -> bool:
+        """Publish the checkpoint's PolicyVersion (acks=all, flushed). Not delivered: raises
+        TrainerError, or once a stop is asked logs it and returns False; then the caller does
+        not commit the group's offsets either (a commit the broker does not answer holds the
+        consumer's close for its session timeout; those offsets are for lag only)."""
         meta = ckpt.meta
         record = PolicyVersion(
             version=meta.policy_version,
@@ -541,13 +657,32 @@ class Trainer:
         self.producer.produce(
             self.topics.policy, value=self.codec.encode(record), on_delivery=delivered
         )
-        left = self.producer.flush(self.settings.train_publish_timeout_s)
-        if left or errors:
-            raise TrainerError(
-                f"PolicyVersion {meta.policy_version} not published to {self.topics.policy}: "
-                f"{errors or 'flush timed out'} (checkpoint {ckpt.path} is committed; a restart "
-                "publishes it)"
-            )
+        left = self._flush_policy(self.settings.train_publish_timeout_s)
+        if not (left or errors):
+            return True
+        what = (
+            f"PolicyVersion {meta.policy_version} not published to {self.topics.policy}: "
+            f"{errors or 'flush timed out'} (checkpoint {ckpt.path} is committed; a restart "
+            "publishes it)"
+        )
+        if self._stopped_at is None:
+            raise TrainerError(what)
+        log.warning("stopping: %s", what)  # not an error: the next start publishes it
+        return False
+
+    def _flush_policy(self, timeout: float) -> int:
+        """Flush the policy producer for up to ``timeout`` s, or what ``_stop_wait`` leaves
+        once a stop is asked (before or during the flush); the records left."""
+        deadline = time.monotonic() + timeout
+        left = len(self.producer)
+        while left:
+            wait = deadline - time.monotonic()
+            stop_wait = self._stop_wait()
+            wait = wait if stop_wait is None else min(wait, stop_wait)
+            if wait <= 0:
+                break
+            left = self.producer.flush(min(wait, 0.5))  # slices: a SIGTERM is seen within 0.5 s
+        return left
 
     def _publish_missing(self) -> None:
         """Publish the latest checkpoint's PolicyVersion if a crash came before it was."""
@@ -570,10 +705,32 @@ class Trainer:
         log.warning("debug pause at %s of step %d", stage, step)
         time.sleep(self.settings.train_debug_pause_s)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Deliver what is queued (a PolicyVersion, the ledger) and release everything. After
+        a stop the broker gets what ``_stop_wait`` leaves, after an error (``failed``)
+        ``STOP_FLUSH_S``, for both together; what is left is logged (a restart publishes the
+        committed version and sends the spooled ledger). Otherwise
+        ``train_publish_timeout_s`` (the ledger 10 s at most)."""
+        s = self.settings
         try:
-            close_producer(self.producer, self.settings.train_publish_timeout_s)
-            self.ledger.close(min(self.settings.train_publish_timeout_s, 10.0))
+            stop_wait = self._stop_wait()
+            if stop_wait is None and not failed:
+                close_producer(self.producer, s.train_publish_timeout_s)
+                self.ledger.close(min(s.train_publish_timeout_s, 10.0))
+                return
+            wait = STOP_FLUSH_S if stop_wait is None else stop_wait
+            deadline = time.monotonic() + wait
+            left = self.producer.flush(wait)
+            if left and self.latest is not None:
+                log.warning(
+                    "stopping: PolicyVersion %d not delivered to %s (checkpoint %s is "
+                    "committed: the next start publishes it)",
+                    self.latest.meta.policy_version,
+                    self.topics.policy,
+                    self.latest.path,
+                )
+            close_producer(self.producer, 0.0)
+            self.ledger.close(max(0.0, deadline - time.monotonic()))
         finally:
             self.source.close()
             for lg in self.loggers:
@@ -585,8 +742,8 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def last_published_version(settings: CommonSettings, timeout: float = 10.0) -> int | None:

@@ -11,6 +11,10 @@ session's), waits until it is up, and sends SIGTERM:
 
 The broker is restarted (same data dir and ports) before each case that needs it; the cases
 with the broker up run first, so it is restarted once per broker-down case only.
+
+One more case stops the trainer in the middle of a step with the broker gone: its checkpoint is
+committed and its PolicyVersion cannot be published; it exits 0 within ``DOWN_BOUND_S`` (the
+flushes of a stopping trainer are capped at 3 s each) and its log says what was not published.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from _logged_process import LoggedProcess
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -33,7 +38,7 @@ from confluent_kafka.admin import AdminClient
 from rollstream.adapters.topics import ensure_topics
 from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
-from rollstream.schemas import CommonSettings
+from rollstream.schemas import Codec, CommonSettings, Sample, SampleMode
 
 pytestmark = pytest.mark.integration
 
@@ -300,3 +305,64 @@ def _readable(log: str, n: int = 40) -> str:
     """The log's last lines without librdkafka's and aiokafka's reconnect lines."""
     noise = ("%3|", "%4|", "%6|", "Group Coordinator Request failed", "Unable connect")
     return "\n".join([ln for ln in log.splitlines() if not any(x in ln for x in noise)][-n:])
+
+
+def _sample(i: int) -> Sample:
+    rng = np.random.default_rng(i)
+    mask = np.array([0] * 8 + [1] * 16, dtype=np.uint8)
+    return Sample(
+        sample_id=f"s{i}",
+        rollout_id=f"r{i}",
+        group_id="g",
+        task_id="t",
+        input_ids=rng.integers(3, 500, 24).astype(np.uint32),
+        loss_mask=mask,
+        behaviour_logprobs=(-rng.uniform(5.5, 7.0, 24) * mask).astype(np.float32),
+        advantage=float(rng.normal()),
+        reward=1.0,
+        policy_version=0,
+        mode=SampleMode.PATH,
+        parent_indices=np.zeros(0, np.int32),
+    )
+
+
+def _produce_samples(settings: CommonSettings, n: int) -> None:
+    producer = Producer(settings.kafka_config())  # freed on return: no reconnects later
+    for i in range(n):
+        producer.produce(settings.topics().samples, Codec().encode(_sample(i)), partition=0)
+    assert producer.flush(30) == 0
+
+
+def test_sigterm_in_a_step_with_the_broker_down_stops_the_trainer(
+    broker: KafkaBroker, model_dir: Path, tmp_path: Path
+) -> None:
+    broker.start(timeout=120)
+    settings = CommonSettings(
+        kafka_bootstrap=broker.bootstrap, namespace=f"t{uuid.uuid4().hex[:10]}", home=tmp_path
+    )
+    ensure_topics(settings)
+    _produce_samples(settings, 4)  # one step
+    ckpt = tmp_path / "checkpoints"
+    env = SERVICES["train"].env(tmp_path, model_dir) | {
+        "ROLLSTREAM_TRAIN_BATCH_SAMPLES": "4",
+        "ROLLSTREAM_TRAIN_DEBUG_PAUSE": "committed:1",  # committed, not yet published
+        "ROLLSTREAM_TRAIN_DEBUG_PAUSE_S": "1",
+    }
+    proc = LoggedProcess(["train"], settings, tmp_path, "train-step.log", env)
+    proc.start()
+    try:
+        deadline = time.monotonic() + START_S
+        while not (ckpt / "debug-paused.json").exists():
+            assert proc.proc is not None and proc.proc.poll() is None, proc.log_tail()
+            assert time.monotonic() < deadline, f"no step in {START_S} s\n{proc.log_tail()}"
+            time.sleep(0.05)
+        broker.kill()  # the step's PolicyVersion and ledger cannot be delivered
+        code, took = _sigterm(proc, DOWN_BOUND_S)
+    finally:
+        proc.stop()
+    log = proc.current_log()
+    print(f"train in a step, broker down: exit {code} in {took:.2f} s")
+    tail = _readable(log)
+    assert code == 0, f"train exited {code} after {took:.1f} s\n{tail}"
+    assert "stopping: PolicyVersion 1 not published" in log, tail
+    assert '"step": 1,' in log, tail  # its result: the committed step
