@@ -14,7 +14,16 @@
    ``rollstream process`` (the faust worker) over them: samples/s from its first sample to its
    last, and from its start to its last sample, beside the batch stage's events/s.
 
+4. --demo-steps N instead: a recorded run of the demo (``rollstream demo`` with
+   ROLLSTREAM_DEMO_STEPS=N and no sink, in a home and on a broker of its own: the rollout
+   service, the model server, the processors and the trainer together, 32 rollouts a round),
+   then ``retrain`` of it from version 0 with unchanged settings: the retrain's wall time
+   against the demo's loop time (``loop_s``: from the first job to the last policy version;
+   the log removes the rollouts' time) and ``bit_equal`` of the last checkpoint; then the same
+   with ``--rebuild`` (samples rebuilt by the batch path): replay -> samples events/s.
+
     .venv/bin/python bench/bench_retrain.py [--quick] [--faust] [--bootstrap HOST:PORT]
+    .venv/bin/python bench/bench_retrain.py --demo-steps 90     # ~3,000 rollouts
 
 Starts its own Kafka broker unless --bootstrap. Progress on stderr; the last stdout line is one
 JSON object with the figures.
@@ -151,6 +160,72 @@ def faust_samples(settings: CommonSettings, work: Path, expected: int) -> dict[s
     return out
 
 
+def last_checkpoints_equal(a_dir: Path, b_dir: Path) -> bool:
+    a = load_file(str(a_dir / "model" / "model.safetensors"))
+    b = load_file(str(b_dir / "model" / "model.safetensors"))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def demo_run(steps: int) -> dict[str, Any]:
+    """A demo run of ``steps`` policy versions, retrained from version 0 (see the docstring)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-retrain-demo-"))
+    home, ns = work / "home", f"rd{uuid.uuid4().hex[:6]}"
+    bootstrap = f"127.0.0.1:{free_port()}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
+        "ROLLSTREAM_HOME": str(home), "ROLLSTREAM_NAMESPACE": ns,
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": bootstrap, "ROLLSTREAM_DEMO_STEPS": str(steps),
+        "ROLLSTREAM_DEMO_SINK": "false", "ROLLSTREAM_DEMO_MAX_MINUTES": "90",
+    }  # fmt: skip
+    out: dict[str, Any] = {"bench": "retrain-demo", "machine": platform.machine(),
+                           "cpus": os.cpu_count(), "demo_steps": steps}  # fmt: skip
+    cli = [sys.executable, "-m", "rollstream.infra.cli"]
+    try:
+        say(f"demo: {steps} policy versions in {home} ...")
+        t0 = time.monotonic()
+        with open(work / "demo.out", "wb") as log:
+            rc = subprocess.run([*cli, "demo"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        assert rc.returncode == 0, (work / "demo.out").read_text()[-3000:]
+        summary = json.loads((home / ns / "demo-summary.json").read_text())
+        out["demo"] = {"wall_s": round(time.monotonic() - t0, 1), "loop_s": summary["loop_s"],
+                       "rollouts": summary["rollouts"], "steps": summary["steps"]}  # fmt: skip
+        say(f"demo: {out['demo']}")
+        source = CommonSettings(kafka_bootstrap=bootstrap, namespace=ns, home=home)
+        ckpt = home / ns / "checkpoints"
+        last_step = max(int(p.name.removeprefix("step-")) for p in ckpt.glob("step-*"))
+        for mode, rebuild in (("copy", False), ("rebuild", True)):
+            target = f"{ns}{mode[0]}"
+            t0 = time.monotonic()
+            r = retrain(
+                RetrainSettings(
+                    kafka_bootstrap=bootstrap, namespace=ns, home=home, replay_to=target,
+                    replay_progress=False, retrain_run=f"{ns}-run", retrain_rebuild=rebuild,
+                    retrain_idle_s=1.0,
+                )
+            )  # fmt: skip
+            wall = time.monotonic() - t0
+            step_dir = f"step-{last_step:08d}"
+            out[f"retrain_{mode}"] = {
+                "wall_s": round(wall, 2),
+                "over_demo_loop": round(wall / summary["loop_s"], 3),
+                "stages_s": {k: round(v, 2) for k, v in r.seconds.items()},
+                "events": r.events_replayed, "steps": r.steps_trained, "follow": r.follow,
+                "bit_equal": last_checkpoints_equal(
+                    ckpt / step_dir, home / target / "checkpoints" / step_dir
+                ),
+            }  # fmt: skip
+            if rebuild:
+                out[f"retrain_{mode}"]["batch_events_per_s"] = round(
+                    r.events_replayed / r.seconds["samples"]
+                )
+            say(f"retrain ({mode}): {out[f'retrain_{mode}']}")
+        del source
+    finally:
+        subprocess.run([*cli, "down"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -158,7 +233,11 @@ def main() -> None:
     ap.add_argument("--bootstrap", help="use this Kafka instead of starting one")
     ap.add_argument("--rollouts", type=int)
     ap.add_argument("--batch-samples", type=int, default=8)
+    ap.add_argument("--demo-steps", type=int, help="retrain a recorded demo run of N versions")
     args = ap.parse_args()
+    if args.demo_steps:
+        print(json.dumps(demo_run(args.demo_steps)))
+        return
     n = args.rollouts or (32 if args.quick else 512)
     work = Path(tempfile.mkdtemp(prefix="bench-retrain-"))
     broker = None
