@@ -9,7 +9,8 @@ and a slow stage never holds another's messages. For one message a worker:
   releases its claim with the RUN message in it and sends that message;
 - RUN: claims the sandbox, runs the agent, releases the claim with the EVAL message, sends it;
 - EVAL: claims the sandbox, runs the evaluator, posts the rewards, destroys the sandbox and
-  finishes the rollout.
+  finishes the rollout, with the evaluator key (``rollouts_evaluator_key``; unset: the admin
+  key). The other stages call the proxy with the admin key.
 
 A message's offset is committed only once its output is durable (the next message acknowledged
 by the broker, or the rollout finished at the proxy), and only in order per partition
@@ -125,7 +126,10 @@ class Service:
         self.topics = settings.topics()
         self.me = holder_id()
         self.worker_id = settings.rollouts_worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.proxy = ProxyClient(settings.rollouts_proxy_url, settings.rollouts_admin_key)
+        admin, evaluator = settings.rollouts_admin_key, settings.rollouts_evaluator_key
+        self.proxy = ProxyClient(settings.rollouts_proxy_url, admin or evaluator)
+        # the EVAL stage's rewards and finish: the evaluator key (unset: the admin key)
+        self.evaluator_proxy = ProxyClient(settings.rollouts_proxy_url, evaluator or admin)
         self.claims = ClaimStore(settings.home / "claims")
         self.producer = Producer(
             {**settings.kafka_config(), "acks": "all", "enable.idempotence": True, "linger.ms": 5}
@@ -155,6 +159,7 @@ class Service:
                 left,
             )
         self.proxy.close()
+        self.evaluator_proxy.close()
         for provider in self._providers.values():
             provider.close()
 
@@ -252,9 +257,10 @@ class Service:
         evaluator = build_evaluator(job.evaluator)
         if endpoint is None:
             endpoint = open_rollout(self.proxy, msg.plan, job, agent, evaluator)
+        proxy = self.evaluator_proxy if msg.stage == "eval" else self.proxy
         return RolloutStages(
             msg.plan, job, msg.task, endpoint, self.provider(msg), agent, evaluator,
-            self.worker_id, log, self.proxy,
+            self.worker_id, log, proxy,
         )  # fmt: skip
 
     def _init(self, msg: StageMessage) -> None:
@@ -284,6 +290,8 @@ class Service:
                 durations=stages.durations,
             )
             self._hand_on(msg, stages.sandbox.id, following)
+        except KafkaException:  # the hand-on's send: the claim holds the next message (resend)
+            raise
         except BaseException as exc:
             stages.fail(exc)
             self.claims.remove(msg.rollout_id)
@@ -340,6 +348,8 @@ class Service:
                 result = stages.eval_stage(AgentOutcome(a.status, a.stop, a.reason, a.turns))
                 stages.destroy()
                 self._conclude(stages, result, msg)
+        except KafkaException:  # the hand-on's send: the claim holds the next message (resend)
+            raise
         except BaseException as exc:
             stages.fail(exc)
             self.claims.remove(msg.rollout_id)
@@ -392,13 +402,30 @@ class Service:
         except RolloutCallError as exc:
             if exc.status is None:
                 raise  # no answer: the message is tried again
+            # 404: the proxy does not know it (restarted): this attempt is lost, the next runs
+            finished = exc.status == 404
             log.warning("rollout %s: not aborted: %s", msg.rollout_id, exc)
-            finished = False
         self.claims.remove(msg.rollout_id)
         if finished:
             self.rollouts_finished.labels(msg.stage, "aborted").inc()
             log.warning("rollout %s aborted (%s)", msg.rollout_id, reason)
             self._retry(msg)
+
+    def lost(self, msg: StageMessage, exc: RolloutCallError) -> None:
+        """The proxy does not know the rollout (404: it restarted and forgot its open
+        rollouts): this attempt cannot finish there. Its sandbox goes, its claim too, and the
+        next attempt is queued; the rollout's events end on the log without a finish (the
+        processors close it at their inactivity timeout, ``truncated``)."""
+        with self.claims.locked(msg.rollout_id):
+            found = self.claims.read(msg.rollout_id)
+        sandbox_id = found.sandbox_id if found else msg.sandbox_id
+        if sandbox_id:
+            self.destroy(msg, sandbox_id)
+        self.claims.remove(msg.rollout_id)
+        self.rollouts_finished.labels(msg.stage, "lost").inc()
+        log.warning("rollout %s lost by the proxy at %s (%s): retried", msg.rollout_id,
+                    msg.stage, exc)  # fmt: skip
+        self._retry(msg)
 
     def destroy(self, msg: StageMessage, sandbox_id: str) -> None:
         provider = self.provider(msg)
@@ -598,9 +625,21 @@ class StageWorker(threading.Thread):
                 service.handle(msg)
                 break
             except RolloutCallError as exc:
+                if exc.status == 404:  # the proxy forgot it (restarted): a new attempt
+                    try:
+                        service.lost(msg, exc)
+                        break
+                    except KafkaException as err:  # the retry's send: try it all again
+                        log.warning("rollout %s: %s; trying again", msg.rollout_id, err)
+                        service.stop.wait(RETRY_S)
+                        continue
                 if exc.status is not None:
                     log.error("rollout %s: the proxy refused: %s", msg.rollout_id, exc)
                     break  # the rollout is finished as far as the proxy lets it be
+                log.warning("rollout %s: %s; trying again", msg.rollout_id, exc)
+                service.stop.wait(RETRY_S)
+            except KafkaException as exc:  # a send the broker did not take (it is away): the
+                # claim says what was done, so handling the message again resends or redoes
                 log.warning("rollout %s: %s; trying again", msg.rollout_id, exc)
                 service.stop.wait(RETRY_S)
             except Exception as exc:  # a job its worker cannot run (an agent that cannot be

@@ -85,14 +85,12 @@ def rollout_stack(
         model.stop()
 
 
-@contextmanager
-def tokenizer_proxy(
-    settings: CommonSettings, tmp: Path, *, admin_key: str, producer: str, model_dir: Path
-) -> Iterator[str]:
-    """A proxy with the tiny model's tokenizer and no backend (for the rollout and job routes:
-    no model call is made); yields its URL once its routes answer, stops it on exit."""
-    port = free_port()
-    proxy = LoggedProcess(
+def tokenizer_proxy_process(
+    settings: CommonSettings, tmp: Path, *, admin_key: str, producer: str, model_dir: Path,
+    port: int,
+) -> LoggedProcess:  # fmt: skip
+    """A proxy with the tiny model's tokenizer and no backend (not started)."""
+    return LoggedProcess(
         ["proxy"],
         settings,
         tmp,
@@ -107,18 +105,35 @@ def tokenizer_proxy(
             "ROLLSTREAM_PRODUCER": producer,
         },
     )
+
+
+def wait_routes(url: str, proxy: LoggedProcess, timeout: float = 120.0) -> None:
+    """Until the proxy's routes answer (its /health is 503 without a backend)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proxy.proc is None or proxy.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the proxy did not come up:\n{proxy.log_tail()}")
+        try:
+            if httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)  # not listening yet: nothing to wait on but the port
+
+
+@contextmanager
+def tokenizer_proxy(
+    settings: CommonSettings, tmp: Path, *, admin_key: str, producer: str, model_dir: Path
+) -> Iterator[str]:
+    """A proxy with the tiny model's tokenizer and no backend (for the rollout and job routes:
+    no model call is made); yields its URL once its routes answer, stops it on exit."""
+    port = free_port()
+    proxy = tokenizer_proxy_process(
+        settings, tmp, admin_key=admin_key, producer=producer, model_dir=model_dir, port=port
+    )
     proxy.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:  # /health is 503 without a backend; the routes answer once it serves
-            if proxy.proc is None or proxy.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy did not come up:\n{proxy.log_tail()}")
-            try:
-                if httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)  # not listening yet: nothing to wait on but the port
+        wait_routes(url, proxy)
         yield url
     finally:
         proxy.stop()
