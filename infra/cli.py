@@ -46,12 +46,57 @@ def cmd_up(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.infra import stack
 
     console = _console()
+    _up_keys(settings, console)  # before the broker: a key file that cannot be used stops here
     with console.status(f"starting Kafka (KRaft) at {settings.kafka_bootstrap} ..."):
         created = stack.up(settings)
     st = stack.status(settings)
     console.print(f"[green]kafka ready[/] at {st.bootstrap} (pid {st.pid}, data {st.data_dir})")
     if created:
         console.print(f"created topics: {', '.join(created)}")
+    return 0
+
+
+def _up_keys(settings: Any, console: Any) -> None:
+    """The home's key file: made once (the path is shown, never a key); with --insecure none,
+    and a warning that cannot be missed."""
+    from rollstream.infra import keys
+
+    path = keys.key_path(settings.home)
+    if not settings.insecure:
+        path, created = keys.create_keys(settings.home)
+        console.print(
+            f"keys: {'created' if created else 'kept'} {path} (owner only; "
+            "`rollstream keys show ROLE` prints one)"
+        )
+        return
+    console.print(
+        "[bold red]!!! INSECURE: no keys made (--insecure / ROLLSTREAM_INSECURE). Services "
+        "started on this home without keys of their own answer ANYONE: rollout creation, jobs, "
+        "the backend pool and weights (proxy), generation and weight loading (model server), "
+        "analytics, /metrics. For experiments on a machine you trust, never on a network.[/]"
+    )
+    if path.exists():
+        console.print(
+            f"[yellow]{path} exists: services on this home still require its keys unless each "
+            "is started with ROLLSTREAM_INSECURE=true[/]"
+        )
+
+
+def cmd_keys(args: argparse.Namespace, settings: Any) -> int:
+    from rollstream.infra import keys
+
+    path = keys.key_path(settings.home)
+    if (args.role is None) == (args.action == "show"):
+        _say(f"error: `keys {args.action}` takes {'a role' if args.role is None else 'no role'}")
+        return 2
+    if args.action == "path":
+        print(path)
+        return 0 if path.exists() else 1
+    if args.action == "create":
+        path, created = keys.create_keys(settings.home)
+        _say(f"keys: {'created' if created else 'kept'} {path}")
+        return 0
+    print(keys.read_keys(settings.home).get(args.role).get_secret_value())
     return 0
 
 
@@ -384,6 +429,8 @@ _CLUSTER = (
     ),
 )
 _STACK = "rollstream.infra.stack:StackSettings"
+# schemas.keys.ROLES, typed again so that `--help` imports no pydantic (a unit test compares)
+KEY_ROLES = ("admin", "evaluator", "analyst", "model", "metrics")
 _MODEL = "rollstream.inference.settings:ModelServerSettings"
 
 
@@ -442,11 +489,36 @@ _REPLAY_FILTERS = (
 _COMMANDS = (
     Command(
         "up",
-        "start the local Kafka broker (KRaft) and create the topics",
+        "start the local Kafka broker (KRaft), create the topics and the home's keys",
         _STACK,
         "cli",
-        _CLUSTER,
+        (
+            *_CLUSTER,
+            flag(
+                "--insecure",
+                help="make no keys: services without keys answer anyone (experiments only)",
+                setting="insecure",
+                action="store_true",
+                default=None,
+            ),
+        ),
         cmd_up,
+    ),
+    Command(
+        "keys",
+        "the home's keys (<home>/keys.json): print one role's key, the file's path, or create it",
+        "rollstream.schemas.settings:CommonSettings",
+        "cli",
+        (
+            flag("action", help="what to do", choices=("show", "path", "create")),
+            flag(
+                "role",
+                help="show: whose key",
+                nargs="?",
+                choices=KEY_ROLES,
+            ),
+        ),
+        cmd_keys,
     ),
     Command(
         "down",
