@@ -166,7 +166,7 @@ def _show_sink_report(settings: DemoSettings, url: str, console: Console) -> Non
     time.sleep(3)  # let the sink flush its last batch
     try:
         report(
-            ReportSettings(namespace=settings.namespace),
+            ReportSettings(namespace=settings.namespace, home=settings.home),
             view="reward_by_policy",
             url=url,
             console=console,
