@@ -32,6 +32,17 @@ CompletionBackend.complete (the proxy's own per-call code: orjson, the client, t
 parsed) sends --hop-calls completions one after another to the fake backend; the median latency
 (us) and this process's CPU per call (us), and each client's ratio to the first one's.
 
+Streaming (--stream): the fake backend streams its reply one token per chunk, --token-ms apart
+(vLLM's text_completion chunks on /v1/completions for the proxy; OpenAI chat chunks and
+Anthropic Messages events on its own /v1/chat/completions and /v1/messages for direct calls),
+and 64 streams call with ``stream: true``, closed loop and then paced (--stream-rate calls/s in
+total): each call's time to the first content token and to the last event ([DONE] /
+message_stop), for the chat API and the Messages API, direct and through the proxy in the same
+run; added_* = proxied - direct, per percentile and phase.
+LiteLLM (if it starts) is measured on the chat API the same way.
+
+    .venv/bin/python bench/bench_proxy.py --stream [--quick] [--token-ms 20] [--api chat,messages]
+
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
         [--backend-ms 0] [--backend-server fake|reference]
@@ -77,7 +88,7 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import Response
+    from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
     lps = [-0.5] * len(reply_ids)
@@ -104,6 +115,79 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
         return endpoint
 
     completions, chat_completions = answer(completion), answer(chat)
+    pieces = json.loads(os.environ.get("BENCH_REPLY_PIECES", "[]")) or [REPLY]
+    step = max(service_ms, 0.0) / 1000
+
+    async def tokens(events: Callable[[int, bool], bytes], end: bytes) -> Any:
+        for i in range(len(reply_ids)):
+            await asyncio.sleep(step)  # a model's time per token (the first: its prefill)
+            yield events(i, i == len(reply_ids) - 1)
+        yield end
+
+    def vllm_chunk(i: int, last: bool) -> bytes:
+        t = reply_ids[i]
+        choice = {"index": 0, "text": pieces[i % len(pieces)], "token_ids": [t],
+                  "logprobs": {"token_logprobs": [-0.5], "tokens": [f"token_id:{t}"],
+                               "top_logprobs": [{f"token_id:{t}": -0.5}]},
+                  "finish_reason": "stop" if last else None, "stop_reason": None}  # fmt: skip
+        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "fake",
+                 "choices": [choice], "policy_version": 0}  # fmt: skip
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    def chat_chunk(i: int, last: bool) -> bytes:
+        delta = {"content": pieces[i % len(pieces)]} if not last else {}
+        if i == 0:
+            delta["role"] = "assistant"
+        chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
+                 "model": "fake", "choices": [{"index": 0, "delta": delta,
+                 "finish_reason": "stop" if last else None}]}  # fmt: skip
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    def message_event(i: int, last: bool) -> bytes:
+        out = b""
+        if i == 0:
+            msg: dict[str, Any] = {
+                "id": "msg_1", "type": "message", "role": "assistant", "model": "fake",
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 1, "output_tokens": 0}}  # fmt: skip
+            out += b"event: message_start\ndata: " + json.dumps(
+                {"type": "message_start", "message": msg}).encode() + b"\n\n"  # fmt: skip
+            start = {"type": "content_block_start", "index": 0,
+                     "content_block": {"type": "text", "text": ""}}  # fmt: skip
+            out += b"event: content_block_start\ndata: " + json.dumps(start).encode() + b"\n\n"
+        if not last:
+            delta = {"type": "content_block_delta", "index": 0,
+                     "delta": {"type": "text_delta", "text": pieces[i % len(pieces)]}}  # fmt: skip
+            return (
+                out + b"event: content_block_delta\ndata: " + json.dumps(delta).encode() + b"\n\n"
+            )
+        stop = {"type": "message_delta", "delta": {"stop_reason": "end_turn",
+                "stop_sequence": None}, "usage": {"output_tokens": len(reply_ids)}}  # fmt: skip
+        block_stop = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}'
+        return (
+            out
+            + block_stop
+            + b"\n\nevent: message_delta\ndata: "
+            + json.dumps(stop).encode()
+            + (b"\n\n")
+        )
+
+    done = b"data: [DONE]\n\n"
+    message_stop = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+    def streaming(plain: Callable[[Request], Awaitable[Response]],
+                  events: Callable[[int, bool], bytes], end: bytes) -> Any:  # fmt: skip
+        async def endpoint(request: Request) -> Response:
+            body = json.loads(await request.body() or b"{}")
+            if not body.get("stream"):
+                return await plain(request)
+            return StreamingResponse(tokens(events, end), media_type="text/event-stream")
+
+        return endpoint
+
+    completions = streaming(completions, vllm_chunk, done)
+    chat_completions = streaming(chat_completions, chat_chunk, done)
+    messages = streaming(answer(b"{}"), message_event, message_stop)
 
     async def ok(request: Request) -> Response:
         return Response(b'{"policy_version": 0}', media_type="application/json")
@@ -111,6 +195,7 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/health", ok), Route("/v1/policy_version", ok),
     ])  # fmt: skip
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
@@ -349,6 +434,242 @@ async def hop(client: str, url: str, calls: int) -> tuple[float, float]:
     return 1e6 * statistics.median(lat), 1e6 * cpu
 
 
+# --------------------------------------------------------------------------- streaming
+
+
+class SseCall(Stream):
+    """One keep-alive connection playing a multi-turn chat with ``stream: true``, over the
+    chat API or the Messages API (``api``): each call's (time to first token, time to last)."""
+
+    def __init__(self, host: str, port: int, path: str, token: str, index: int, api: str) -> None:
+        super().__init__(host, port, path, token, index)
+        self.api = api
+
+    def body(self) -> bytes:
+        if self.turn % 8 == 0:
+            self.messages = [{"role": "user", "content": f"Question {self.index}: what is up?"}]
+        body: dict[str, Any] = {"model": "fake", "messages": self.messages, "max_tokens": 64,
+                                "stream": True}  # fmt: skip
+        if self.api == "messages":
+            body["system"] = "You are a concise assistant."
+        else:
+            body["messages"] = [{"role": "system", "content": "You are a concise assistant."},
+                                *self.messages]  # fmt: skip
+        return json.dumps(body).encode()
+
+    async def call_stream(self) -> tuple[float, float]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        reader = self.reader
+        assert reader is not None
+        body = self.body()
+        auth = "x-api-key" if self.api == "messages" else "Authorization"
+        value = self.token if self.api == "messages" else f"Bearer {self.token}"
+        head = (f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\n{auth}: {value}\r\n"
+                "anthropic-version: 2023-06-01\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        t0 = time.perf_counter()
+        self.writer.write(head + body)
+        raw = await reader.readuntil(b"\r\n\r\n")
+        status = int(raw[9:12])
+        if b"chunked" not in raw.lower():
+            length = int(raw.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            raise RuntimeError(f"HTTP {status}: {(await reader.readexactly(length))[:300]!r}")
+        first = 0.0
+        text, buf = [], b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            buf += data[:-2]
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                line = event[event.find(b"data: ") + 6 :]
+                if line == b"[DONE]" or not line.startswith(b"{"):
+                    continue
+                obj = json.loads(line)
+                if self.api == "messages":
+                    piece = (obj.get("delta") or {}).get("text") or ""
+                else:
+                    piece = (obj["choices"][0]["delta"].get("content") or "") if obj.get(
+                        "choices") else ""  # fmt: skip
+                if piece:
+                    first = first or time.perf_counter() - t0
+                    text.append(piece)
+        last = time.perf_counter() - t0
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+        self.messages += [{"role": "assistant", "content": "".join(text)},
+                          {"role": "user", "content": f"And then ({self.turn})?"}]  # fmt: skip
+        self.turn += 1
+        return first, last
+
+
+async def run_stream_phase(
+    calls: list[SseCall], duration: float, rate: float | None = None
+) -> dict[str, Any]:
+    """Closed loop (``rate`` None: each stream calls again as soon as its answer ended) or
+    paced (``rate`` calls/s in total, spread over the streams)."""
+    firsts: list[float] = []
+    lasts: list[float] = []
+    stop = time.perf_counter() + duration
+    interval = len(calls) / rate if rate else 0.0
+
+    async def loop(c: SseCall, offset: float) -> None:
+        nxt = time.perf_counter() + offset
+        while True:
+            if interval:
+                if (delay := nxt - time.perf_counter()) > 0:
+                    await asyncio.sleep(delay)
+                nxt += interval
+            if time.perf_counter() >= stop:
+                return
+            f, la = await c.call_stream()
+            firsts.append(f)
+            lasts.append(la)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop(c, i * interval / len(calls)) for i, c in enumerate(calls)))
+    wall = time.perf_counter() - t0
+    out: dict[str, Any] = {"n": len(lasts), "rps": len(lasts) / wall}
+    for name, xs in (("first", sorted(firsts)), ("last", sorted(lasts))):
+        out[f"{name}_p50_ms"] = 1000 * xs[len(xs) // 2]
+        out[f"{name}_p99_ms"] = 1000 * xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+    return out
+
+
+def stream_bench(args: argparse.Namespace) -> None:
+    """--stream: time to first and to last token, direct vs proxy (vs LiteLLM), per API."""
+    duration = args.duration or (2.0 if args.quick else 10.0)
+    rounds = args.rounds or (1 if args.quick else 3)
+    apis = [a.strip() for a in args.api.split(",") if a.strip()]
+    deadline = time.monotonic() + (27.0 if args.quick else 600.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        t_start = time.monotonic()
+        fport, pport = free_port(), free_port()
+        lite, lport, lite_error = start_litellm(args.litellm, fport, work)
+        mpath = model_dir(args.model_path)
+        from rollstream.producers.proxy.chat import ChatTemplate
+
+        chat = ChatTemplate.from_dir(mpath)
+        reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
+        pieces = [chat.decode([t]) for t in reply_ids]
+        me = [sys.executable, str(Path(__file__).resolve())]
+        env = {**os.environ, "BENCH_REPLY_PIECES": json.dumps(pieces)}
+        fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
+                      ",".join(map(str, reply_ids)), "--backend-ms", str(args.token_ms)],
+                     work / "fake.log", env)  # fmt: skip
+        proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
+                       "--model-path", str(mpath), "--http-client", "http1"],
+                      work / "proxy.log")  # fmt: skip
+        procs = [p for p in (fake, proxy, lite) if p is not None]
+        results: dict[str, list[dict[str, Any]]] = {}
+        try:
+            assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "backend"
+            ok = wait_http(f"http://127.0.0.1:{pport}/health", proxy, 90)
+            assert ok, (work / "proxy.log").read_text()[-2000:]
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            rollouts = [httpx.post(f"http://127.0.0.1:{pport}/v1/rollouts", headers=admin,
+                                   json={"task_id": f"b{i}", "group_id": "bench"}).json()
+                        for i in range(args.streams)]  # fmt: skip
+            targets: list[tuple[str, str, int]] = []
+            for api in apis:
+                targets += [(f"direct_{api}", api, fport), (f"proxy_{api}", api, pport)]
+            if lite is not None and "chat" in apis:
+                targets.append(("litellm_chat", "chat", lport))
+
+            def calls(target: str, api: str, port: int) -> list[SseCall]:
+                tail = "chat/completions" if api == "chat" else "messages"
+                if target.startswith("proxy"):
+                    return [
+                        SseCall("127.0.0.1", port, f"/rollouts/{r['rollout_id']}/v1/{tail}",
+                                r["token"], i, api)
+                        for i, r in enumerate(rollouts)
+                    ]  # fmt: skip
+                return [SseCall("127.0.0.1", port, f"/v1/{tail}", "sk-bench", i, api)
+                        for i in range(args.streams)]  # fmt: skip
+
+            async def measure() -> None:
+                try:
+                    import uvloop
+
+                    uvloop.install()
+                except ImportError:
+                    pass
+                for _ in range(rounds):
+                    for target, api, port in list(targets):
+                        if target.startswith("litellm") and f"{target}_closed" not in results:
+                            url = f"http://127.0.0.1:{port}/health/liveliness"
+                            left = max(1.0, deadline - time.monotonic() - 4 * duration)
+                            if not await asyncio.to_thread(wait_http, url, lite, left):
+                                targets.remove((target, api, port))
+                                continue
+                        group = calls(target, api, port)
+                        await run_stream_phase(group[:4], 0.3)  # warm connections
+                        server = [fake.pid] + (
+                            [proxy.pid] if target.startswith("proxy") else
+                            [lite.pid] if target.startswith("litellm") and lite else []
+                        )  # fmt: skip
+                        for mode, rate in (("closed", None), ("paced", args.stream_rate)):
+                            cpu0 = {pid: cpu_seconds(pid) for pid in server}
+                            res = await run_stream_phase(group, duration, rate)
+                            cpu = sum(cpu_seconds(pid) - cpu0[pid] for pid in server)
+                            res["cpu_ms_per_call"] = 1000 * cpu / max(1, res["n"])
+                            results.setdefault(f"{target}_{mode}", []).append(res)
+                        for c in group:
+                            c.close()
+
+            asyncio.run(measure())
+            status = httpx.get(f"http://127.0.0.1:{pport}/v1/admin/status", headers=admin).json()
+            lite_log = (work / "litellm.log").read_text(errors="replace") if lite else ""
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    out: dict[str, Any] = {
+        "mode": "stream", "streams": args.streams, "token_ms": args.token_ms,
+        "paced_rate": args.stream_rate,
+        "tokens_per_reply": len(reply_ids), "duration_s": duration, "rounds": rounds,
+    }  # fmt: skip
+    keys = ("first_p50_ms", "first_p99_ms", "last_p50_ms", "last_p99_ms", "rps", "cpu_ms_per_call")
+    for target, res in results.items():
+        for key in keys:
+            out[f"{target}_{key}"] = round(statistics.median(r[key] for r in res), 3)
+    for target in results:
+        kind, _, api_mode = target.partition("_")
+        if kind == "direct" or f"direct_{api_mode}" not in results:
+            continue
+        base = f"direct_{api_mode}"
+        for key in (*keys[:4], keys[5]):
+            out[f"{target}_added_{key}"] = round(out[f"{target}_{key}"] - out[f"{base}_{key}"], 3)
+        out[f"{target}_rps_ratio"] = round(out[f"{target}_rps"] / out[f"{base}_rps"], 3)
+    out["proxy_calls"] = status["stats"]["completed"]
+    out["proxy_events_submitted"] = status["delivery"]["submitted"]
+    if lite is not None and "litellm_chat_closed" not in results:
+        lite_error = f"litellm did not answer /health/liveliness in time: {lite_log[-600:]}"
+    out["litellm"] = "measured" if "litellm_chat_closed" in results else lite_error
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    print(f"{'target':22} {'first p50':>10} {'first p99':>10} {'last p50':>10} {'last p99':>10} "
+          f"{'calls/s':>8} {'cpu ms/call':>11}")  # fmt: skip
+    for target in results:
+        f50, f99 = out[f"{target}_first_p50_ms"], out[f"{target}_first_p99_ms"]
+        l50, l99, rps = (
+            out[f"{target}_last_p50_ms"],
+            out[f"{target}_last_p99_ms"],
+            out[f"{target}_rps"],
+        )
+        cpu = out[f"{target}_cpu_ms_per_call"]
+        print(f"{target:22} {f50:10.2f} {f99:10.2f} {l50:10.2f} {l99:10.2f} {rps:8.0f} {cpu:11.3f}")
+    print(json.dumps(out))
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -409,6 +730,16 @@ def main() -> None:
     ap.add_argument(
         "--hop-calls", type=int, default=None, help="calls per client and round (hop figures)"
     )
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="streamed calls: time to first and last token, chat and Messages API",
+    )
+    ap.add_argument("--api", default="chat,messages", help="--stream: chat, messages or both")
+    ap.add_argument("--stream-rate", type=float, default=64.0,
+                    help="--stream: the paced phase's calls/s in total")  # fmt: skip
+    ap.add_argument("--token-ms", type=float, default=20.0,
+                    help="--stream: the fake backend's time per token")  # fmt: skip
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-proxy", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
@@ -421,6 +752,8 @@ def main() -> None:
         return serve_proxy(
             args.serve_proxy, args.backend, args.model_path, args.bootstrap, args.http_client
         )
+    if args.stream:
+        return stream_bench(args)
     clients = [c.strip() for c in args.http_client.split(",") if c.strip()]
     if not clients or not set(clients) <= {"http1", "aiohttp", "httpx"}:
         ap.error("--http-client: http1, aiohttp or httpx, or a comma-separated list of them")

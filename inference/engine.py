@@ -5,7 +5,15 @@ Requests queue up; the scheduler takes up to ``model_max_batch`` of them (after 
 ``model_batch_wait_ms`` for company) and runs them as one batch in that thread, so the event
 loop (and /health) stays free. Weight loads run in the same thread between batches, so every
 completion comes from exactly one policy version, which ``Scheduler.submit`` returns with it.
-No HTTP here: server.py parses requests and calls ``submit``, ``pause``, ``resume``, ``call``.
+No HTTP here: server.py parses requests and calls ``submit``, ``stream``, ``pause``,
+``resume``, ``call``.
+
+Streaming (``Scheduler.stream``): the request rides in a batch like any other; after every
+decoding step the worker thread hands the batch's new tokens to the event loop in one
+``loop.call_soon_threadsafe`` call, which puts each streamed request's ``TokenStep`` on that
+request's own queue, so the waiting HTTP response sends it at once. A streamed request whose
+consumer goes away (the client hung up) is marked aborted: the worker ends its row at the next
+step (finish_reason "abort") and the rest of the batch goes on; one still queued is skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,7 +42,7 @@ from rollstream.inference.tinymodel import (
     stop_token_ids,
 )
 
-__all__ = ["Engine", "Scheduler"]
+__all__ = ["Engine", "Scheduler", "TokenStep"]
 
 T = TypeVar("T")
 
@@ -63,9 +71,16 @@ class Engine:
         self.loaded_at = time.time()
 
     def run(
-        self, prompts: list[list[int]], params: list[SamplingParams], abort: Callable[[], bool]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        abort: Callable[[], bool],
+        row_abort: Callable[[int], bool] | None = None,
+        on_step: Callable[[int, list[tuple[int, GenerationResult, bool]]], None] | None = None,
     ) -> tuple[list[GenerationResult], int]:
+        """One batch; ``on_step(version, rows)`` after each decoding step (see ``generate``)."""
         version = self.version  # /update_weight_version may change it during the batch
+        step = None if on_step is None else (lambda rows: on_step(version, rows))
         results = generate(
             self.model,
             prompts,
@@ -74,6 +89,8 @@ class Engine:
             pad_token_id=self.tokenizer.pad_token_id or 0,
             logprobs_mode=self.settings.model_logprobs_mode,
             should_abort=abort,
+            row_abort=row_abort,
+            on_step=step,
         )
         return results, version
 
@@ -85,11 +102,42 @@ class Engine:
         return self.version
 
 
+@dataclass(frozen=True, slots=True)
+class TokenStep:
+    """One token of a streamed request, as soon as it is sampled. ``finish_reason`` (stop,
+    length, abort) and ``stop_reason`` are set on the request's last token only."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | None
+    policy_version: int
+
+
 @dataclass(slots=True)
 class _Pending:
     prompt: list[int]
     params: SamplingParams
     future: asyncio.Future[tuple[GenerationResult, int]]
+    steps: asyncio.Queue[TokenStep | None] | None = None  # streamed: its tokens, then None
+    aborted: bool = False  # streamed: the consumer went away
+
+
+def _step(r: GenerationResult, done: bool, version: int) -> TokenStep:
+    return TokenStep(
+        r.token_ids[-1],
+        r.logprobs[-1],
+        r.top_logprobs[-1] if r.top_logprobs else None,
+        r.finish_reason if done else None,
+        r.stop_reason if done else None,
+        version,
+    )
+
+
+def _deliver(items: list[tuple[asyncio.Queue[TokenStep | None], TokenStep]]) -> None:
+    for queue, step in items:
+        queue.put_nowait(step)
 
 
 class Scheduler:
@@ -110,6 +158,7 @@ class Scheduler:
         self.task: asyncio.Task[None] | None = None
         self.arriving = 0  # requests received but not yet queued (body being read or parsed)
         self.in_batch = 0  # requests in the batch being generated
+        self.streams_aborted = 0  # streamed requests whose consumer went away before the end
 
     @property
     def paused(self) -> bool:
@@ -136,6 +185,33 @@ class Scheduler:
         self.queue.append(pending)
         self.wake.set()
         return await pending.future
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+        """Queue one streamed completion now (RequestRefused 503 when the queue is full) and
+        return its tokens as they are sampled; the last one carries the finish reason. Closing
+        the iterator before the end aborts the request (its row stops at the next step)."""
+        if len(self.queue) >= self.max_queue:
+            raise RequestRefused("server queue is full", status=503)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(prompt, params, loop.create_future(), steps=asyncio.Queue())
+        self.queue.append(pending)
+        self.wake.set()
+        return self._steps(pending)
+
+    async def _steps(self, pending: _Pending) -> AsyncIterator[TokenStep]:
+        assert pending.steps is not None
+        finished = False
+        try:
+            while (step := await pending.steps.get()) is not None:
+                yield step
+            await pending.future  # the batch's error, if it failed
+            finished = True
+        finally:
+            if not finished:
+                pending.aborted = True
+                self.streams_aborted += 1
+                if not pending.future.done():
+                    pending.future.cancel()
 
     async def pause(self, mode: str) -> None:
         """Stop taking new batches; ``abort`` also ends the batch in progress early."""
@@ -170,7 +246,7 @@ class Scheduler:
             batch: list[_Pending] = []
             while self.queue and len(batch) < self.max_batch:
                 p = self.queue.popleft()
-                if not p.future.done():  # a cancelled request is skipped
+                if not p.future.done() and not p.aborted:  # a cancelled request is skipped
                     batch.append(p)
             if not self.queue:
                 self.wake.clear()
@@ -181,8 +257,24 @@ class Scheduler:
         prompts, params = [p.prompt for p in batch], [p.params for p in batch]
         self.in_batch = len(batch)
         loop = asyncio.get_running_loop()
+        queues = [p.steps for p in batch]
+        on_step = None
+        if any(q is not None for q in queues):
+
+            def on_step(version: int, rows: list[tuple[int, GenerationResult, bool]]) -> None:
+                items = [
+                    (q, _step(r, done, version))
+                    for i, r, done in rows
+                    if (q := queues[i]) is not None
+                ]
+                if items:
+                    loop.call_soon_threadsafe(_deliver, items)
+
+        def row_abort(i: int) -> bool:
+            return batch[i].aborted
+
         self.running = loop.run_in_executor(
-            self.executor, self.engine.run, prompts, params, self.abort.is_set
+            self.executor, self.engine.run, prompts, params, self.abort.is_set, row_abort, on_step
         )
         try:
             results, version = await self.running
@@ -196,6 +288,9 @@ class Scheduler:
                     p.future.set_result((r, version))
         finally:
             self.running, self.in_batch = None, 0
+            for q in queues:  # after every token: the worker's deliveries were queued first
+                if q is not None:
+                    q.put_nowait(None)
 
     def close(self) -> None:
         if self.task is not None:
@@ -204,4 +299,6 @@ class Scheduler:
             p = self.queue.popleft()
             if not p.future.done():
                 p.future.set_exception(RequestRefused("server is shutting down", status=503))
+            if p.steps is not None:
+                p.steps.put_nowait(None)
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -52,7 +52,8 @@ _COMPLETION = _schema(
     return_token_ids=_B,
     return_tokens_as_token_ids=_B,
     skip_special_tokens=_B,
-    **_SAMPLING,
+    **{**_SAMPLING, "stream": _B},  # one prompt per streamed request
+    stream_options=_schema("", include_usage=_B),
 )
 _MESSAGE = _schema("role content", role=_S, content=_S)
 _CHAT = _schema(
@@ -136,7 +137,8 @@ def _openapi() -> dict[str, Any]:
                 "vLLM's token-id completion API over the tiny local model. Token ids are in "
                 f"[0, vocab size) (at most {TOKEN_ID_MAX}); prompt + max_tokens is at most the "
                 f"model's context length; logprobs in [0, {MAX_TOP_LOGPROBS}]; n is 1; "
-                "streaming, echo and beam search are refused (400)."
+                "stream: true on /v1/completions answers vLLM's streamed chunks (SSE, one prompt); "
+                "echo and beam search are refused (400)."
             ),
         },
         "paths": paths,

@@ -4,13 +4,16 @@
 Routes (request and response shapes follow vLLM's OpenAI server; docs/model-server.md):
     POST /v1/completions        prompt as token ids (or text); ``return_token_ids`` adds
                                 ``choices[].token_ids`` and ``choices[].prompt_token_ids``;
-                                ``logprobs`` + ``return_tokens_as_token_ids`` ("token_id:N")
+                                ``logprobs`` + ``return_tokens_as_token_ids`` ("token_id:N");
+                                ``stream: true``: vLLM's chunks, one per sampled token, as SSE
+                                (``EventStream``; a client that hangs up aborts its row)
     POST /v1/chat/completions   plain chat: messages rendered with the model's chat template
     GET  /v1/models             model card (max_model_len, policy_version)
     GET  /openapi.json          every route, its bounds and errors (openapi.py)
     GET  /health                200 once the model is loaded, 503 before
     GET  /v1/policy_version     {"policy_version", "weights_path", "loaded_at"}
-    GET  /v1/load               {"queued", "running", "paused", "policy_version"}
+    GET  /v1/load               {"queued", "running", "paused", "policy_version",
+                                 "streams_aborted"}
     POST /v1/load_weights       {"path", "version"}: load a checkpoint between two batches
   and vLLM's dev-mode RL routes (``VLLM_SERVER_DEV_MODE=1``), so one client drives both:
     POST /pause?mode=abort|wait|keep   POST /resume   GET /is_paused
@@ -35,10 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -52,7 +57,7 @@ from uvicorn.config import LOGGING_CONFIG
 from rollstream.adapters.auth import bearer_token, key_matches
 from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.inference import wire
-from rollstream.inference.engine import Engine, Scheduler
+from rollstream.inference.engine import Engine, Scheduler, TokenStep
 from rollstream.inference.errors import RequestRefused, TinyModelError
 from rollstream.inference.openapi import OPENAPI
 from rollstream.inference.settings import ModelServerSettings
@@ -79,6 +84,51 @@ async def _json(request: Request, limit: int = 64 * 1024) -> dict[str, Any]:
         raise RequestRefused(f"invalid JSON: {exc}") from exc
 
 
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _hung_up(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(Response):
+    """A server-sent-events answer sent part by part from an async iterator of bytes. While it
+    is sent, the client's side is watched: a client that hangs up cancels the iteration at
+    once (its ``finally`` runs; for a streamed completion that aborts the request's row).
+    Starlette's StreamingResponse under ASGI spec 2.4 only notices a hang-up when a write
+    fails, and uvicorn drops writes to a closed connection silently."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, parts: AsyncIterator[bytes]) -> None:
+        self.parts = parts
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+        await send(start)
+
+        async def pump() -> None:
+            async for part in self.parts:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(_hung_up(receive))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            aclose = getattr(self.parts, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 class ModelMetrics:
     """The model server's metrics (``rollstream_model_*``) and readiness."""
 
@@ -92,6 +142,10 @@ class ModelMetrics:
             "generate_seconds", "one completion: queued, batched and generated"
         )
         self.tokens = m.counter("tokens", "prompt and completion tokens", ("kind",))
+        self.streams = m.counter(
+            "streams", "streamed completions, by outcome: finished or aborted (client gone)",
+            ("outcome",),
+        )  # fmt: skip
         engine = api.engine
 
         def sched() -> Scheduler:
@@ -153,10 +207,65 @@ class _Api:
             params = wire.sampling(body, engine.max_len, longest, self.seeds.getrandbits(63))
         finally:
             sched.arriving -= 1
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestRefused("`stream` must be a boolean", param="stream")
+        if stream:
+            if len(prompts) != 1:
+                raise RequestRefused("`stream` takes one prompt", param="prompt")
+            include_usage = wire.stream_options(body)
+            steps = sched.stream(prompts[0], params)  # queued now: 503 when full
+            return EventStream(self._sse_completion(steps, body, prompts[0], include_usage))
         outs = await asyncio.gather(*(self.metrics.submit(sched, p, params) for p in prompts))
         return JSONResponse(
             wire.completion_body(body, prompts, params, outs, engine.tokenizer, name)
         )
+
+    async def _sse_completion(
+        self,
+        steps: AsyncIterator[TokenStep],
+        body: dict[str, Any],
+        prompt: list[int],
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """A streamed completion in vLLM's chunks (one per sampled token, the finish reason on
+        the last), the usage chunk if asked for, ``data: [DONE]``. An error after the first
+        byte is a ``data: {"error": ...}`` event, as vLLM sends it."""
+        tok, metrics = self.engine.tokenizer, self.metrics
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.settings.model_name,
+        }
+        skip = body.get("skip_special_tokens", True) is not False
+        text = wire.IncrementalText(tok, skip_special_tokens=skip)
+        n = offset = 0
+        started, outcome = time.perf_counter(), "aborted"
+        try:
+            async for step in steps:
+                piece = text.push(step.token_id)
+                if step.finish_reason is not None:
+                    piece += text.flush()
+                first = prompt if n == 0 else None
+                chunk = wire.completion_chunk(head, body, step, piece, offset, first, tok)
+                offset, n = offset + len(piece), n + 1
+                yield _sse(chunk)
+            if include_usage:
+                yield _sse(wire.usage_chunk(head, len(prompt), n))
+            outcome = "finished"
+        except RequestRefused as exc:
+            outcome = "failed"
+            yield _sse(wire.error_body(exc.message, exc.status, exc.param))
+        except Exception as exc:  # the batch failed: said in the stream, never a dropped socket
+            outcome = "failed"
+            yield _sse(wire.error_body(f"{type(exc).__name__}: {exc}", 500))
+        finally:
+            metrics.streams.labels(outcome).inc()
+            metrics.generate.observe(time.perf_counter() - started)
+            metrics.tokens.labels("prompt").inc(len(prompt))
+            metrics.tokens.labels("completion").inc(n)
+        yield b"data: [DONE]\n\n"
 
     async def chat_completions(self, request: Request) -> Response:
         """Plain chat (vLLM's route, without streaming, tools or multiple choices): the messages
@@ -167,6 +276,8 @@ class _Api:
         sched.arriving += 1
         try:
             body = await _json(request, self.settings.model_max_request_bytes)
+            if body.get("stream"):
+                raise RequestRefused("`stream` is not supported on this route", param="stream")
             prompt = wire.chat_prompt(body, engine.tokenizer, engine.vocab, name)
             params = wire.sampling(body, engine.max_len, len(prompt), self.seeds.getrandbits(63))
         finally:
@@ -208,6 +319,7 @@ class _Api:
                 "running": s.in_batch,
                 "paused": s.paused,
                 "policy_version": self.engine.version,
+                "streams_aborted": s.streams_aborted,
             }
         )
 

@@ -379,9 +379,17 @@ def generate(
     pad_token_id: int = 0,
     logprobs_mode: LogprobsMode = "processed_logprobs",
     should_abort: Callable[[], bool] | None = None,
+    row_abort: Callable[[int], bool] | None = None,
+    on_step: Callable[[list[tuple[int, GenerationResult, bool]]], None] | None = None,
 ) -> list[GenerationResult]:
     """Sample completions for a batch of token-id prompts with a KV cache (left padding).
-    See the module docstring for the exact sampling and logprob definitions."""
+    See the module docstring for the exact sampling and logprob definitions.
+
+    ``should_abort()`` ends every row at the next step (finish_reason "abort");
+    ``row_abort(i)`` ends row ``i`` only (a streaming client that went away), the others go on.
+    ``on_step(rows)`` is called once per decoding step with ``(i, result_i, done)`` for every
+    row that got a token in that step (its last token is ``result_i.token_ids[-1]``; ``done``:
+    it was the row's last): how a streaming server hands out tokens as they are sampled."""
     vocab = int(model.config.vocab_size)
     _check(prompts, params, vocab)
     device = next(model.parameters()).device
@@ -418,6 +426,7 @@ def generate(
         top = report.topk(min(kmax, vocab), dim=-1) if kmax else None
         aborting = should_abort is not None and should_abort()
         still: list[int] = []
+        stepped: list[tuple[int, GenerationResult, bool]] = []
         for i in live:
             r, sp, tok = results[i], params[i], tokens[i]
             r.token_ids.append(tok)
@@ -430,10 +439,15 @@ def generate(
                 r.stop_reason = tok if tok in sp.stop_token_ids else None
             elif len(r.token_ids) >= sp.max_tokens:
                 r.finish_reason = "length"
-            elif aborting:
+            elif aborting or (row_abort is not None and row_abort(i)):
                 r.finish_reason = "abort"
             else:
                 still.append(i)
+                stepped.append((i, r, False))
+                continue
+            stepped.append((i, r, True))
+        if on_step is not None:
+            on_step(stepped)
         live = still
         if not live:
             break

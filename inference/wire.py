@@ -19,15 +19,19 @@ from rollstream.inference.tinymodel import GenerationResult, SamplingParams
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "IncrementalText",
     "chat_body",
     "chat_prompt",
     "check_model",
     "completion_body",
+    "completion_chunk",
     "error_body",
     "number",
     "parse_json",
     "prompts",
     "sampling",
+    "stream_options",
+    "usage_chunk",
 ]
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -66,15 +70,11 @@ def number(
         raise RequestRefused(
             f"`{key}` must be {'an integer' if kind is int else 'a number'}", param=key
         )
-    if isinstance(value, float) and not math.isfinite(
-        value
-    ):  # NaN, Infinity: JSON-ish
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, Infinity: JSON-ish
         raise RequestRefused(f"`{key}` must be a finite number", param=key)
     if lo is not None and value < lo:
         raise RequestRefused(f"`{key}` must be >= {lo}", param=key)
-    if (
-        isinstance(value, int) and abs(value) > 2**53 - 1
-    ):  # JSON-safe ints
+    if isinstance(value, int) and abs(value) > 2**53 - 1:  # JSON-safe ints
         raise RequestRefused(f"`{key}` must be within ±(2**53 - 1)", param=key)
     return kind(value)
 
@@ -140,7 +140,7 @@ def sampling(body: dict[str, Any], max_len: int, longest: int, seed: int) -> Sam
     """The request's sampling parameters; ``seed`` when it sends none; ``longest`` prompt."""
     if (n := number(body, "n", 1)) != 1:
         raise RequestRefused(f"only n=1 is supported, got {n}", param="n")
-    for flag in ("stream", "echo", "use_beam_search"):
+    for flag in ("echo", "use_beam_search"):
         if body.get(flag):
             raise RequestRefused(f"`{flag}` is not supported by the reference server", flag)
     max_tokens: int = number(body, "max_tokens", 16, lo=1)
@@ -256,3 +256,99 @@ def chat_body(
         "usage": _usage(len(prompt), len(result.token_ids)),
         "policy_version": version,
     }
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def stream_options(body: dict[str, Any]) -> bool:
+    """Whether a streamed request asked for the usage chunk (``stream_options.include_usage``,
+    as vLLM reads it); 400 on a ``stream_options`` that is not an object."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise RequestRefused("`stream_options` must be an object", param="stream_options")
+    return bool(opts.get("include_usage"))
+
+
+class IncrementalText:
+    """Text of a growing list of token ids, handed out in pieces as the ids come: a piece is
+    given only once it decodes to complete UTF-8 (a character split across byte-level tokens
+    waits for its last byte), as vLLM's incremental detokenizer does. Only a window of recent
+    ids is decoded per token. ``flush()`` at the end gives what is left, complete or not, so
+    the pieces joined equal ``decode(ids)``."""
+
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+        self._decode = tokenizer.decode
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # the window starts here
+        self._read = 0  # ids up to here are handed out as text
+
+    def _text(self, ids: list[int]) -> str:
+        return str(self._decode(ids, skip_special_tokens=self._skip))
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self._text(self.ids[self._prefix : self._read])
+        after = self._text(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self._text(self.ids[self._prefix : self._read])
+        after = self._text(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+def completion_chunk(
+    head: dict[str, Any],
+    body: dict[str, Any],
+    step: Any,
+    text: str,
+    offset: int,
+    prompt: list[int] | None,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk, as vLLM sends it per step: ``text`` (the new
+    complete text), ``token_ids`` (the step's id, with ``return_token_ids``),
+    ``prompt_token_ids`` (first chunk only), ``logprobs`` for the step (``text_offset`` counts
+    the text sent before), ``finish_reason`` / ``stop_reason`` on the last token's chunk.
+    ``step`` is an engine.TokenStep; ``policy_version`` rides on every chunk (rollstream)."""
+    as_ids, want_ids = body.get("return_tokens_as_token_ids"), body.get("return_token_ids")
+
+    def token_str(t: int) -> str:
+        return f"token_id:{t}" if as_ids else str(tokenizer.decode([t]))
+
+    logprobs = None
+    if body.get("logprobs") is not None:
+        token = token_str(step.token_id)
+        top = {token_str(a): v for a, v in (step.top_logprobs or [])}
+        top[token] = step.logprob
+        logprobs = {
+            "text_offset": [offset],
+            "token_logprobs": [step.logprob],
+            "tokens": [token],
+            "top_logprobs": [top],
+        }
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": step.finish_reason,
+        "stop_reason": step.stop_reason,
+    }
+    if want_ids:
+        choice["token_ids"] = [step.token_id]
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+    return {**head, "choices": [choice], "policy_version": step.policy_version}
+
+
+def usage_chunk(head: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The usage chunk after the last token (``stream_options.include_usage``)."""
+    return {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}

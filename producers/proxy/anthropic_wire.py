@@ -36,12 +36,10 @@ and tool_use blocks], stop_reason: end_turn | max_tokens | stop_sequence | tool_
 stop_sequence, usage: {input_tokens, output_tokens}, rollstream: {call_id, rollout_id, backend,
 policy_version, drift_tokens}}``.
 
-Streaming: the backend call is not streamed (failover needs the whole completion before a byte
-goes out), so ``stream: true`` answers the complete event sequence built from the finished
-message: message_start, per block content_block_start / content_block_delta (text_delta or
-input_json_delta) / content_block_stop, message_delta (stop_reason, stop_sequence, usage),
-message_stop. Streaming tokens as they are sampled is separate work (it needs a streaming
-backend call).
+Streaming: ``stream_events`` is the complete event sequence of a finished message (message_start,
+per block content_block_start / content_block_delta (text_delta or input_json_delta) /
+content_block_stop, message_delta (stop_reason, stop_sequence, usage), message_stop); the
+Messages route streams the same events as the tokens come (messages_api.py).
 
 Errors are ``{"type": "error", "error": {"type", "message"}}`` with the status the chat route
 answers (400 invalid_request_error, 401 authentication_error, 403 permission_error, 404
@@ -414,7 +412,7 @@ def message_body(
     call_id: str,
     model: str,
     content: list[dict[str, Any]],
-    stop_reason: str,
+    stop_reason: str | None,
     stop_sequence: str | None,
     input_tokens: int,
     output_tokens: int,

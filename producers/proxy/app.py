@@ -18,6 +18,7 @@ backend in the pool and the event producer not closed (a degraded one spools: st
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -232,10 +233,69 @@ async def _serve_call(
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()
         ]
         headers = [*headers, *extra]
+    if answer.stream is not None:
+        await send_stream(answer.stream, answer.status, headers, receive, send)
+        return answer.status
     start = [(b"content-length", b"%d" % len(answer.body)), *headers]
     await send({"type": "http.response.start", "status": answer.status, "headers": start})
     await send({"type": "http.response.body", "body": answer.body})
     return answer.status
+
+
+async def _hung_up(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def send_stream(
+    parts: AsyncIterator[bytes],
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    receive: Any,
+    send: Any,
+) -> None:
+    """Send a streamed answer part by part (chunked: no Content-Length) while watching the
+    client: when it hangs up, the sending stops and ``parts`` is closed at once (a streamed
+    call then ends its backend request and records why). uvicorn drops writes to a closed
+    connection silently, so the hang-up is read from ``receive``, not from a failed write."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def pump() -> None:
+        async for part in parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(_hung_up(receive))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        aclose = getattr(parts, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if tasks[0].done() and not tasks[0].cancelled() and (exc := tasks[0].exception()):
+        log.error("a streamed answer failed", exc_info=exc)
+
+
+class _Streamed(Response):
+    """A streamed Answer as a Starlette response (for the routes outside the fast path)."""
+
+    def __init__(self, answer: Answer) -> None:
+        assert answer.stream is not None
+        self.answer = answer
+        super().__init__(
+            None,
+            answer.status,
+            {"Cache-Control": "no-cache", **answer.headers},
+            media_type="text/event-stream",
+        )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        assert self.answer.stream is not None
+        await send_stream(self.answer.stream, self.status_code, headers, receive, send)
 
 
 def _error(exc: Exception, path: str) -> Answer:
@@ -245,6 +305,8 @@ def _error(exc: Exception, path: str) -> Answer:
 
 
 def _response(answer: Answer) -> Response:
+    if answer.stream is not None:
+        return _Streamed(answer)
     if answer.sse:
         headers = {"Cache-Control": "no-cache", **answer.headers}
         return Response(answer.body, answer.status, headers, media_type="text/event-stream")

@@ -19,6 +19,15 @@ grammar; the reference server has no guided decoding, so ``complete`` refuses on
   ``POST /resume``; the version is read with ``GET /weight_info``. vLLM's completions do not
   carry the version, so the adapter reports the last version it set or read.
 
+``stream(...)`` is the same call with ``stream: true``: an async iterator of TokenChunk
+(streaming.py) as the backend samples them, in vLLM's streamed ``text_completion`` chunks
+(the reference server sends the same). Errors before the first chunk are the ones
+``complete`` raises (the pool fails over on BackendUnavailable); a stream that breaks later
+raises BackendUnavailable (cut off, an error event) or BackendProtocolError (a chunk without
+the fields we need) from the iterator. Closing the iterator early closes the connection, so
+the backend ends the request (vLLM aborts a request whose client went away; so does the
+reference server).
+
 The per-call ``POST /v1/completions`` goes over one of three HTTP clients
 (``ProxySettings.proxy_http_client``): our lean HTTP/1.1 client (``lean=Http1Transport``, the
 default and the fastest), aiohttp's (``lean=AiohttpPost``) or httpx's own; every other request
@@ -37,7 +46,9 @@ these::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -55,6 +66,12 @@ from rollstream.producers.errors import (
     ProxyConfigError,
 )
 from rollstream.producers.proxy.http1 import Http1Transport
+from rollstream.producers.proxy.streaming import (
+    SseParser,
+    TokenChunk,
+    merge_chunks,
+    parse_chunk,
+)
 from rollstream.schemas.events import policy_version_problem
 
 try:
@@ -79,7 +96,10 @@ __all__ = [
     "BackendUnavailable",
     "Completion",
     "CompletionBackend",
+    "TokenChunk",
 ]
+
+MAX_ERROR_BYTES = 64 * 1024  # of an error answer to a streamed request
 
 BackendKind = Literal["reference", "vllm"]
 
@@ -142,6 +162,11 @@ def _top_logprobs(steps: Any, k: int, n: int) -> list[list[tuple[int, float]]]:
     return out
 
 
+async def _httpx_parts(response: httpx.Response) -> AsyncIterator[bytes]:
+    async for part in response.aiter_bytes():
+        yield part
+
+
 class AiohttpPost:
     """The per-call POST over aiohttp's client (``proxy_http_client="aiohttp"``): one
     keep-alive session, made in the event loop of the first call. Needs ``aiohttp``."""
@@ -177,6 +202,53 @@ class AiohttpPost:
             raise BackendUnavailable(f"timed out: {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, url: str, headers: dict[str, str], payload: bytes, timeouts: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, str, AsyncIterator[bytes]]]:
+        """(status, content type, body parts as they arrive) of ``POST url``;
+        BackendUnavailable when the exchange fails, also while the parts are read. Leaving
+        early closes the connection."""
+        aiohttp = self._aiohttp
+        await self.post_session(timeouts)
+
+        async def parts(response: Any) -> AsyncIterator[bytes]:
+            try:
+                async for part in response.content.iter_any():
+                    yield part
+            except TimeoutError as exc:
+                raise BackendUnavailable(f"timed out: {exc!r}") from exc
+            except aiohttp.ClientError as exc:
+                raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+        try:
+            response = await self._session.post(url, data=payload, headers=headers)
+        except TimeoutError as exc:
+            raise BackendUnavailable(f"timed out: {exc!r}") from exc
+        except aiohttp.ClientError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        done = False
+        try:
+            yield response.status, response.headers.get("Content-Type", ""), parts(response)
+            done = True
+        finally:
+            if done and response.content.at_eof():
+                response.release()
+            else:
+                response.close()  # the connection is not reused: the backend sees it go
+
+    async def post_session(self, timeouts: dict[str, Any]) -> None:
+        aiohttp = self._aiohttp
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=timeouts.get("connect"), sock_read=timeouts.get("read")
+            )
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=timeout,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -284,6 +356,33 @@ class CompletionBackend:
         """Sample one completion of ``prompt_ids``; the stop token, if any, is included.
         ``top_logprobs`` > 0 also asks for that many alternatives per token;
         ``response_format`` (vLLM only) constrains the completion to JSON."""
+        body = self._body(
+            prompt_ids, max_tokens, temperature, top_p, seed, stop_token_ids, top_logprobs,
+            response_format,
+        )  # fmt: skip
+        started = time.perf_counter()
+        if self._lean_transport is not None and self._lean_target() is not None:
+            data = await self._post_lean(body)
+        else:
+            data = await self._json("POST", "/v1/completions", json=body)
+        latency = time.perf_counter() - started
+        try:
+            return self._parse(data, len(body["prompt"]), latency, top_logprobs)
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: a token id outside uint32 (numpy refuses it)
+            raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
+
+    def _body(
+        self,
+        prompt_ids: list[int] | np.ndarray,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_token_ids: list[int] | None,
+        top_logprobs: int,
+        response_format: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         if response_format is not None and self.kind != "vllm":
             msg = "response_format needs a backend with guided decoding (kind vllm)"
             raise BackendRejected(msg, backend=self.name, status=400)
@@ -310,17 +409,150 @@ class CompletionBackend:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
         if response_format is not None:
             body["response_format"] = response_format
+        return body
+
+    async def stream(
+        self,
+        prompt_ids: list[int] | np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        top_logprobs: int = 0,
+        response_format: dict[str, Any] | None = None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """``complete`` streamed: the completion's tokens as the backend samples them (see the
+        module docstring for the errors). The last chunk carries the finish reason."""
+        body = self._body(
+            prompt_ids, max_tokens, temperature, top_p, seed, stop_token_ids, top_logprobs,
+            response_format,
+        )  # fmt: skip
+        body["stream"] = True
+        where = "POST /v1/completions (stream)"
         started = time.perf_counter()
-        if self._lean_transport is not None and self._lean_target() is not None:
-            data = await self._post_lean(body)
-        else:
-            data = await self._json("POST", "/v1/completions", json=body)
-        latency = time.perf_counter() - started
+        async with self._open_stream(body) as (status, content_type, parts):
+            if status >= 400 or not content_type.startswith("text/event-stream"):
+                content = b""
+                async for part in parts:
+                    content += part
+                    if status >= 400 and len(content) > MAX_ERROR_BYTES:
+                        break
+                if status >= 400:
+                    msg = f"{where}: HTTP {status}: {_error_message(content)}"
+                    kind = BackendUnavailable if status >= 500 else BackendRejected
+                    raise kind(msg, backend=self.name, status=status)
+                # a backend that answers a streamed request whole: one chunk of every token
+                yield self._whole(content, len(body["prompt"]), started, top_logprobs)
+                return
+            sse = SseParser()
+            finished = first = False
+            async for part in parts:
+                try:
+                    events = sse.feed(part)
+                except ValueError as exc:
+                    raise BackendProtocolError(f"{where}: {exc}", backend=self.name) from exc
+                got: list[TokenChunk] = []  # the chunks of one read go on as one
+                done = False
+                for data in events:
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    chunk = self._chunk(data, top_logprobs, where)
+                    if chunk is not None:
+                        got.append(chunk)
+                if got:
+                    chunk = merge_chunks(got)
+                    if chunk.policy_version is not None:
+                        self._version = chunk.policy_version
+                    if not first:  # the first chunk names the backend and the version
+                        first = True
+                        version = self._version
+                        chunk = dataclasses.replace(
+                            chunk, backend=self.name, policy_version=version
+                        )
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+                if done:
+                    if not finished:
+                        msg = f"{where}: the stream ended before the last token"
+                        raise BackendUnavailable(msg, backend=self.name)
+                    async for _ in parts:  # the body's end: the connection is reusable
+                        pass
+                    return
+            if not finished:
+                msg = f"{where}: the stream was cut off before the last token"
+                raise BackendUnavailable(msg, backend=self.name)
+
+    def _whole(self, content: bytes, prompt_len: int, started: float, top_k: int) -> TokenChunk:
         try:
-            return self._parse(data, len(body["prompt"]), latency, top_logprobs)
+            out = self._parse(_loads(content), prompt_len, time.perf_counter() - started, top_k)
         except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
-            # OverflowError: a token id outside uint32 (numpy refuses it)
             raise BackendProtocolError(f"bad completion body: {exc}", backend=self.name) from exc
+        return TokenChunk(
+            token_ids=out.token_ids.tolist(),
+            logprobs=out.logprobs.tolist(),
+            top_logprobs=out.top_logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            policy_version=out.policy_version,
+            model=out.model,
+            backend=self.name,
+        )
+
+    def _chunk(self, data: bytes, top_k: int, where: str) -> TokenChunk | None:
+        try:
+            obj = _loads(data)
+        except ValueError as exc:
+            raise BackendProtocolError(f"{where}: invalid JSON", backend=self.name) from exc
+        if isinstance(obj, dict) and "error" in obj:  # the backend failed mid-stream
+            err = obj["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            raise BackendUnavailable(f"{where}: {str(msg)[:500]}", backend=self.name)
+        try:
+            return parse_chunk(obj, top_k)
+        except ValueError as exc:
+            raise BackendProtocolError(f"{where}: {exc}", backend=self.name) from exc
+
+    @contextlib.asynccontextmanager
+    async def _open_stream(
+        self, body: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, str, AsyncIterator[bytes]]]:
+        """(status, content type, body parts) of the streamed POST over the per-call client;
+        every failure of the exchange, also while the parts are read, a BackendUnavailable."""
+        where = "POST /v1/completions (stream)"
+        lean = self._lean_transport
+        target = self._lean_target() if lean is not None else None
+        try:
+            if target is not None and isinstance(lean, Http1Transport):
+                payload = _dumps(body)
+                head = target.head + b"Content-Length: %d\r\n\r\n" % len(payload)
+                async with lean.stream(
+                    target.host, target.port, head, payload, target.timeouts
+                ) as (status, headers, parts):
+                    kind = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+                    yield status, kind.decode("latin-1"), parts
+            elif target is not None and isinstance(lean, AiohttpPost):
+                payload = _dumps(body)
+                async with lean.stream(target.url, target.headers, payload, target.timeouts) as (
+                    status,
+                    kind,
+                    parts,
+                ):
+                    yield status, kind, parts
+            else:
+                url = f"{self.base_url}/v1/completions"
+                async with self._http.stream("POST", url, json=body, headers=self._headers) as r:
+                    yield r.status_code, r.headers.get("content-type", ""), _httpx_parts(r)
+        except Http1Error as exc:  # connect, read, write, pool, timeout, malformed answer
+            raise BackendUnavailable(f"{where}: {exc.kind}: {exc}", backend=self.name) from exc
+        except httpx.TransportError as exc:
+            raise BackendUnavailable(f"{where}: {exc!r}", backend=self.name) from exc
+        except BackendUnavailable as exc:
+            if exc.backend:
+                raise
+            raise BackendUnavailable(f"{where}: {exc}", backend=self.name) from exc
 
     def _lean_target(self) -> _Target | None:
         """POST /v1/completions of the base URL for the lean path; None for a base URL it does

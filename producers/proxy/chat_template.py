@@ -338,6 +338,12 @@ class ChatTemplate:
         kept = [t for t in seq if t not in special or t in marks]
         return str(self.tokenizer.decode(kept, skip_special_tokens=False))
 
+    @property
+    def marker_ids(self) -> frozenset[int]:
+        """The special tokens that open a tool call in this model's format (kept when a reply
+        is read for tool calls)."""
+        return self._marker_ids
+
     def special_text(self, token_id: int) -> str | None:
         """The text of a special token (``<|im_end|>``), None for ordinary tokens."""
         return self._special_text.get(token_id)

@@ -10,6 +10,9 @@ client). It is used two ways:
   objects built at all. ``CompletionBackend.complete`` (the per-call hot path) uses this.
 - ``httpx.AsyncClient(transport=Http1Transport())``: the same connections behind httpx's API,
   for everything that is not per call (health, weight updates, pause/resume).
+- ``async with Http1Transport.stream(...) as (status, headers, parts)``: the body handed out
+  piece by piece as it arrives (a streamed completion). A stream read to its end returns its
+  connection to the pool; one left early closes it, so the server sees the client go.
 
 Scope, on purpose: ``http://`` only (backends sit next to the proxy; anything else goes through
 httpcore), HTTP/1.1 with keep-alive, one request per connection at a time, ``Content-Length``,
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -136,6 +140,75 @@ class Http1Transport(httpx.AsyncBaseTransport):
             slots.release()
         return status, headers, content
 
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: bytes = b"",
+        timeouts: dict[str, Any] = _NO_TIMEOUTS,
+    ) -> AsyncIterator[tuple[int, list[tuple[bytes, bytes]], AsyncIterator[bytes]]]:
+        """POST ``head`` + ``body`` like ``exchange``, but yield ``(status, headers, parts)``
+        once the response head is in: ``parts`` gives the body as it arrives (chunked,
+        Content-Length or connection-delimited; each read within the read timeout). The
+        connection goes back to the pool only when the body was read to its end; leaving the
+        block earlier closes it. Raises Http1Error, also while ``parts`` is read."""
+        key = (host, port)
+        try:
+            async with asyncio.timeout(timeouts.get("pool") if self._slots.locked() else None):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise Http1Error("PoolTimeout", "no free connection") from None
+        conn: _Conn | None = None
+        try:
+            idle = self._idle.get(key)
+            reused = bool(idle)
+            conn = idle.pop() if idle else await self._connect(key, timeouts)
+            try:
+                got = await self._stream_head(conn, head, body, timeouts, reused)
+            except _Stale:
+                conn.close()
+                conn = await self._connect(key, timeouts)
+                got = await self._stream_head(conn, head, body, timeouts, False)
+            status, headers, length, chunked, keep = got
+            body_reader = _BodyReader(conn.reader, length, chunked, timeouts.get("read"))
+            yield status, headers, body_reader.parts()
+            if keep and body_reader.done:
+                self._idle.setdefault(key, []).append(conn)
+                conn = None
+        finally:
+            if conn is not None:
+                conn.close()
+            self._slots.release()
+
+    async def _stream_head(
+        self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, Any], reused: bool
+    ) -> tuple[int, list[tuple[bytes, bytes]], int | None, bool, bool]:
+        writer = conn.writer
+        try:
+            writer.write(head + body)
+            if writer.transport.get_write_buffer_size():
+                async with asyncio.timeout(timeouts.get("write")):
+                    await writer.drain()
+        except TimeoutError:
+            raise Http1Error("WriteTimeout", "write timed out") from None
+        except OSError as exc:
+            if reused:
+                raise _Stale from exc
+            raise Http1Error("WriteError", str(exc) or type(exc).__name__) from exc
+        try:
+            async with asyncio.timeout(timeouts.get("read")):
+                return await _read_head(conn.reader, reused)
+        except TimeoutError:
+            raise Http1Error("ReadTimeout", "read timed out") from None
+        except asyncio.LimitOverrunError as exc:
+            raise _bad("response head too long") from exc
+        except (ConnectionError, OSError) as exc:
+            if reused:
+                raise _Stale from exc
+            raise Http1Error("ReadError", str(exc) or type(exc).__name__) from exc
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme != "http":
@@ -230,34 +303,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
         """One response: its head (informational 1xx answers skipped), then its body framed by
         Content-Length, chunked encoding or the end of the connection."""
-        first = True
-        while True:
-            try:
-                raw = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                if first and reused and not exc.partial:
-                    raise _Stale from exc  # closed while idle: the server never read it
-                raise _bad("server disconnected without sending a complete response") from exc
-            first = False
-            status, headers = _parse_head(raw)
-            if not 100 <= status < 200 or status == 101:
-                break
-        version_11 = raw.startswith(b"HTTP/1.1")
-        keep = version_11
-        length: int | None = None
-        chunked = False
-        for name, value in headers:
-            low = name.lower()
-            if low == b"content-length":
-                length = _content_length(value, length)
-            elif low == b"transfer-encoding":
-                codings = [c.strip() for c in value.lower().split(b",")]
-                if codings[-1] != b"chunked":
-                    raise _bad(f"unsupported Transfer-Encoding {value[:40]!r}")
-                chunked = True
-            elif low == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
-                keep = b"keep-alive" in tokens if not version_11 else b"close" not in tokens
+        status, headers, length, chunked, keep = await _read_head(reader, reused)
         try:
             if status in (204, 304) or 100 <= status < 200 or method == "HEAD":
                 content = b""
@@ -279,6 +325,42 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._idle.clear()
         if self._fallback is not None:
             await self._fallback.aclose()
+
+
+async def _read_head(
+    reader: asyncio.StreamReader, reused: bool
+) -> tuple[int, list[tuple[bytes, bytes]], int | None, bool, bool]:
+    """A response head, informational 1xx answers skipped: (status, headers, Content-Length,
+    chunked?, keep-alive?)."""
+    first = True
+    while True:
+        try:
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if first and reused and not exc.partial:
+                raise _Stale from exc  # closed while idle: the server never read it
+            raise _bad("server disconnected without sending a complete response") from exc
+        first = False
+        status, headers = _parse_head(raw)
+        if not 100 <= status < 200 or status == 101:
+            break
+    version_11 = raw.startswith(b"HTTP/1.1")
+    keep = version_11
+    length: int | None = None
+    chunked = False
+    for name, value in headers:
+        low = name.lower()
+        if low == b"content-length":
+            length = _content_length(value, length)
+        elif low == b"transfer-encoding":
+            codings = [c.strip() for c in value.lower().split(b",")]
+            if codings[-1] != b"chunked":
+                raise _bad(f"unsupported Transfer-Encoding {value[:40]!r}")
+            chunked = True
+        elif low == b"connection":
+            tokens = {t.strip() for t in value.lower().split(b",")}
+            keep = b"keep-alive" in tokens if not version_11 else b"close" not in tokens
+    return status, headers, length, chunked, keep
 
 
 def _parse_head(raw: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
@@ -324,3 +406,64 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, up to the blank line
         pass
     return b"".join(parts)
+
+
+class _BodyReader:
+    """A response body read piece by piece: chunked, ``length`` bytes, or up to the end of the
+    connection. ``done`` once the whole body was read."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, length: int | None, chunked: bool, read: Any
+    ) -> None:
+        self.reader, self.length, self.chunked, self.read_s = reader, length, chunked, read
+        self.done = False
+
+    async def parts(self) -> AsyncIterator[bytes]:
+        try:
+            async for part in self._parts():
+                yield part
+        except TimeoutError:
+            raise Http1Error("ReadTimeout", "read timed out") from None
+        except asyncio.LimitOverrunError as exc:
+            raise _bad("chunk line too long") from exc
+        except asyncio.IncompleteReadError as exc:
+            raise _bad("server closed the connection before the end of the body") from exc
+        except (ConnectionError, OSError) as exc:
+            raise Http1Error("ReadError", str(exc) or type(exc).__name__) from exc
+
+    async def _parts(self) -> AsyncIterator[bytes]:
+        reader, read_s = self.reader, self.read_s
+        if self.chunked:
+            while True:
+                async with asyncio.timeout(read_s):  # one timer per chunk: its line and data
+                    line = await reader.readuntil(b"\r\n")
+                    size_text = line[:-2].split(b";", 1)[0].strip()
+                    if _HEX.fullmatch(size_text) is None:
+                        raise _bad(f"bad chunk size {line[:40]!r}")
+                    size = int(size_text, 16)
+                    if size == 0:
+                        break
+                    data = await reader.readexactly(size + 2)
+                if data[-2:] != b"\r\n":
+                    raise _bad("chunk data longer than its size")
+                yield data[:-2]
+            async with asyncio.timeout(read_s):
+                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields
+                    pass
+        elif self.length is not None:
+            left = self.length
+            while left:
+                async with asyncio.timeout(read_s):
+                    data = await reader.read(min(left, 65536))
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", left)
+                left -= len(data)
+                yield data
+        else:
+            while True:
+                async with asyncio.timeout(read_s):
+                    data = await reader.read(65536)
+                if not data:
+                    break
+                yield data
+        self.done = True

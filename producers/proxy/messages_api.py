@@ -16,6 +16,14 @@ A Messages call is the chat call's seven steps (service.py) with Anthropic's wir
                                                          long: N tokens > M maximum")
     7 answer     anthropic_wire.message_answer           the Message, or its SSE events
 
+Streaming (``stream: true``): the call's steps 2-4 run up to the backend's first token
+(failures before it are error answers with their status), then the events go out as the
+tokens come (``message_events``): ``message_start``, a text block (``content_block_start``,
+a ``text_delta`` per content delta, ``content_block_stop``) opened at the first text, after the
+last token one ``tool_use`` block per tool call (parsed from the whole reply; its input as one
+``input_json_delta``), ``message_delta`` (stop reason, output tokens), ``message_stop``. A
+failure after the first byte is an ``error`` event (stream_turn.py says what is recorded).
+
 The rollout token comes as ``x-api-key`` (Anthropic's client with ``api_key``) or as a bearer
 token (``auth_token``). Every error, the token's included, is answered in Anthropic's shape.
 """
@@ -23,6 +31,7 @@ token (``auth_token``). Every error, the token's included, is answered in Anthro
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from rollstream.producers.errors import ApiError, ChatError, ChatInputError
@@ -30,14 +39,17 @@ from rollstream.producers.proxy.anthropic_wire import (
     content_blocks,
     context_limit,
     error_answer,
+    error_body,
     message_answer,
     message_body,
     parse_messages_request,
     prompt_too_long,
+    sse_events,
     stop_reason,
 )
-from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, as_api_error
+from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, as_api_error, dumps
 from rollstream.producers.proxy.rollout_api import OpenRollout
+from rollstream.producers.proxy.stream_turn import StreamedTurn
 from rollstream.producers.proxy.turns import Pipeline
 
 __all__ = ["MessagesApi", "Pipeline"]
@@ -72,6 +84,11 @@ class MessagesApi:
         chat, params = request.chat, request.chat.params
         # 2-6: Proxy.turn (max_tokens is required here: no default)
         try:
+            if request.stream:
+                call = await proxy.open_stream(
+                    ro, chat, default_max_tokens=1, overflow=self._overflow
+                )
+                return Answer(b"", sse=True, stream=self.message_events(call, ro.rollout_id))
             done = await proxy.turn(ro, chat, default_max_tokens=1, overflow=self._overflow)
         except ChatInputError as exc:
             if exc.param != "stop":
@@ -104,6 +121,99 @@ class MessagesApi:
             ext=ext,
         )
         return message_answer(message, stream=request.stream)
+
+    async def message_events(self, call: StreamedTurn, rollout_id: str) -> AsyncIterator[bytes]:
+        """A streamed Message's events as the tokens come (the module docstring)."""
+
+        def event(name: str, data: dict[str, Any]) -> bytes:
+            return sse_events([(name, data)])
+
+        ext: dict[str, Any] = {"call_id": call.call_id, "rollout_id": rollout_id}
+        start = message_body(
+            call_id=call.call_id,
+            model=call.model,
+            content=[],
+            stop_reason=None,  # not known yet: Anthropic sends it in message_delta
+            stop_sequence=None,
+            input_tokens=len(call.prompt),
+            output_tokens=0,
+            ext=ext,
+        )
+        yield event("message_start", {"type": "message_start", "message": start})
+        text_open, index = False, 0
+
+        def text(piece: str) -> list[bytes]:
+            nonlocal text_open
+            out = []
+            if not text_open:
+                text_open = True
+                block = {"type": "text", "text": ""}
+                out.append(
+                    event(
+                        "content_block_start",
+                        {"type": "content_block_start", "index": 0, "content_block": block},
+                    )
+                )
+            delta = {"type": "text_delta", "text": piece}
+            out.append(
+                event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": 0, "delta": delta},
+                )
+            )
+            return out
+
+        try:
+            async for d in call.deltas():
+                if d.text:
+                    for b in text(d.text):
+                        yield b
+            out, reply = call.out, call.reply
+            assert out is not None and reply is not None
+            for b in text(call.rest) if call.rest else []:
+                yield b
+            if text_open:
+                yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                index = 1
+            for block in content_blocks(None, reply.tool_calls):
+                empty = {**block, "input": {}}
+                partial = {
+                    "type": "input_json_delta",
+                    "partial_json": dumps(block["input"]).decode(),
+                }
+                yield event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": empty},
+                )
+                yield event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": partial},
+                )
+                yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+                index += 1
+            stops, params = call.turn.stop_token_ids, call.params
+            stop_sequence = None
+            if out.stop_reason is not None and out.stop_reason in stops:
+                stop_sequence = params.stop[stops.index(out.stop_reason)]
+            reason = stop_reason(
+                out.finish_reason, tool_use=bool(reply.tool_calls), stop_sequence=stop_sequence
+            )
+            delta = {"stop_reason": reason, "stop_sequence": stop_sequence}
+            usage = {"output_tokens": len(out.token_ids)}
+            ext |= {
+                "backend": out.backend,
+                "policy_version": out.policy_version,
+                "drift_tokens": call.drift,
+            }
+            yield event(
+                "message_delta",
+                {"type": "message_delta", "delta": delta, "usage": usage, "rollstream": ext},
+            )
+            yield event("message_stop", {"type": "message_stop"})
+        except ApiError as exc:
+            yield b"event: error\ndata: " + error_body(exc) + b"\n\n"
+        finally:
+            await call.close()
 
     def _overflow(self, exc: ApiError, prompt_tokens: int, max_tokens: int) -> ApiError:
         """A context overflow (the budget's, or the backend's) in Anthropic's words."""

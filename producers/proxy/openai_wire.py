@@ -24,7 +24,7 @@ answered garbage, 503 no backend). ApiError and its place in the tree: producers
 from __future__ import annotations
 
 import json as _json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,6 +72,7 @@ __all__ = [
     "as_api_error",
     "bearer_token",
     "chat_answer",
+    "chat_chunk",
     "chat_chunks",
     "chat_logprobs",
     "dumps",
@@ -86,6 +87,7 @@ __all__ = [
     "parse_json",
     "parse_text_request",
     "sse_body",
+    "stream_logprobs",
     "text_answer",
     "text_chunks",
     "too_deep",
@@ -131,12 +133,14 @@ class HttpRequest:
 @dataclass(frozen=True, slots=True)
 class Answer:
     """An HTTP answer: a JSON body (``sse``: a complete server-sent-events body), its status
-    and extra headers."""
+    and extra headers. ``stream``: a server-sent-events body sent part by part as the parts
+    come (``body`` is then empty); the server closes it when the client hangs up."""
 
     body: bytes
     status: int = 200
     sse: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    stream: AsyncIterator[bytes] | None = None
 
 
 def json_answer(data: Any, status: int = 200) -> Answer:
@@ -471,6 +475,31 @@ def usage(prompt_len: int, completion_len: int) -> dict[str, int]:
 def sse_body(chunks: list[dict[str, Any]]) -> bytes:
     """A complete server-sent-events body: one ``data:`` line per chunk, then [DONE]."""
     return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def chat_chunk(
+    head: dict[str, Any], delta: dict[str, Any], finish: str | None = None, lp: Any = None,
+    index: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """One chat.completion.chunk of choice ``index`` (``head``: id, object, created, model)."""
+    return {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": finish}]}  # fmt: skip
+
+
+def stream_logprobs(
+    texts: list[str], logprobs: list[float], tops: list[list[tuple[int, float]]] | None,
+    top_texts: list[list[str]] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's ``logprobs`` of a streamed chunk: ``{"content": [...]}``, one entry per token
+    that came with it (as ``chat_logprobs``)."""
+    content = []
+    for j, (text, lp) in enumerate(zip(texts, logprobs, strict=True)):
+        alts: list[dict[str, Any]] = []
+        if tops is not None and top_texts is not None:
+            pairs = zip(tops[j], top_texts[j], strict=True)
+            alts = [_token_logprob(t, a_lp) for (_, a_lp), t in pairs]
+        content.append({**_token_logprob(text, lp), "top_logprobs": alts})
+    return {"content": content}
 
 
 def chat_chunks(

@@ -16,6 +16,12 @@ not the backend, is at fault. A health loop probes every backend each ``health_i
 a backend that answers again is readmitted, after reloading the current weights if it missed an
 update.
 
+Streams (``stream``): the same routing and failover until the first chunk of tokens arrives: a
+backend that fails before it is replaced, and the call starts over there (the client has seen
+nothing). After the first chunk the call is bound to that backend: a failure is raised to the
+caller (it has sent tokens on), and the backend is marked down. A stream counts as in flight
+until it is closed, so ``drain`` waits for it.
+
 Weight updates (``update_weights(path, version)``): pause (new calls wait at the gate, up to
 ``pause_wait_s``, then get PoolPaused -> HTTP 429 with Retry-After), drain (wait for the calls in
 flight), reload every healthy backend, resume. The same three steps are exposed separately for
@@ -36,7 +42,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,6 +62,7 @@ from rollstream.producers.proxy.backends import (
     BackendKind,
     Completion,
     CompletionBackend,
+    TokenChunk,
 )
 from rollstream.producers.proxy.http1 import Http1Transport
 from rollstream.producers.proxy.settings import HttpClient
@@ -377,6 +384,73 @@ class BackendPool:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    async def stream(
+        self, rollout_id: str, prompt_ids: np.ndarray | list[int], **params: Any
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """``complete`` streamed: the completion's token chunks as the rollout's backend sends
+        them. Until the first chunk, an unavailable backend is replaced as in ``complete``;
+        after it, a failure is raised (BackendError) and nothing is retried. Close the iterator
+        to end the call early (the backend's connection is closed)."""
+        await self._gate()
+        self._inflight += 1
+        self._idle.clear()
+        deadline = time.monotonic() + self.backend_wait_s
+        attempts = 0
+        last: BackendError | None = None
+        try:
+            while True:
+                m = self.route(rollout_id)
+                if m is None:
+                    await self._wait_for_member(deadline, last)
+                    continue
+                attempts += 1
+                if attempts > 1:
+                    self._counts["failovers"] += 1
+                m.inflight += 1
+                m.calls += 1
+                self._counts["dispatched"] += 1
+                chunks = m.backend.stream(prompt_ids, **params)
+                try:
+                    try:
+                        first = await anext(chunks)
+                    except StopAsyncIteration:  # the backend raises rather than end early
+                        msg = "the stream ended without a token"
+                        raise BackendUnavailable(msg, backend=m.name) from None
+                    except BackendUnavailable as exc:
+                        last = exc
+                        self._mark_down(m, str(exc))
+                        if attempts > 4 * len(self.members) or time.monotonic() > deadline:
+                            raise NoBackendAvailable(f"backend call failed: {exc}", exc) from exc
+                        continue
+                    if first.policy_version is not None:
+                        m.policy_version = first.policy_version
+                    n = len(first.token_ids)
+                    if first.finish_reason is not None:
+                        self._count_done(len(prompt_ids), n)
+                    yield first
+                    try:
+                        async for chunk in chunks:
+                            n += len(chunk.token_ids)
+                            if chunk.finish_reason is not None:  # counted before the caller
+                                self._count_done(len(prompt_ids), n)  # may stop reading
+                            yield chunk
+                    except BackendUnavailable as exc:
+                        self._mark_down(m, str(exc))
+                        raise
+                    return
+                finally:
+                    m.inflight -= 1
+                    await chunks.aclose()
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    def _count_done(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self._counts["completed"] += 1
+        self._counts["prompt_tokens"] += prompt_tokens
+        self._counts["completion_tokens"] += completion_tokens
 
     async def _wait_for_member(self, deadline: float, last: BackendError | None) -> None:
         left = deadline - time.monotonic()

@@ -20,6 +20,15 @@ ends:
                                                           chain the next call) and record
     7 answer     responses_wire.response_answer           the Response, or its SSE events
 
+Streaming (``stream: true``): steps 2-4 run up to the backend's first token (failures before it
+are error answers with their status), then the events go out as the tokens come
+(``response_events``): response.created, response.in_progress; at the first text the message
+item (response.output_item.added, response.content_part.added) and a response.output_text.delta
+per content delta; after the last token response.output_text.done / content_part.done /
+output_item.done with the text parsed from the whole reply, one function_call item per tool
+call (its arguments as one delta), and response.completed (or response.incomplete). A failure
+after the first byte is an ``error`` event (stream_turn.py says what is recorded).
+
 Nothing is stored: ``previous_response_id`` is refused, the harness sends the conversation
 (``store: false``, as Codex does). Errors are OpenAI's error objects; a 409 (finished rollout)
 carries ``x-should-retry: false`` so the openai client does not retry it.
@@ -29,9 +38,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from rollstream.producers.errors import ApiError, ChatError
+from rollstream.producers.proxy.anthropic_wire import sse_events
 from rollstream.producers.proxy.openai_wire import (
     Answer,
     HttpRequest,
@@ -39,12 +50,14 @@ from rollstream.producers.proxy.openai_wire import (
     error_answer,
 )
 from rollstream.producers.proxy.responses_wire import (
+    item_events,
     output_items,
     parse_responses_request,
     response_answer,
     response_body,
 )
 from rollstream.producers.proxy.rollout_api import OpenRollout
+from rollstream.producers.proxy.stream_turn import StreamedTurn
 from rollstream.producers.proxy.turns import Pipeline
 
 __all__ = ["Pipeline", "ResponsesApi", "responses_error"]
@@ -102,6 +115,10 @@ class ResponsesApi:
         proxy = self.proxy
         # 1 parse
         request = parse_responses_request(body)
+        if request.stream:  # 2-4 now, 5-7 as the tokens come
+            call = await proxy.open_stream(ro, request.chat, format_param="text.format")
+            events = self.response_events(call, ro.rollout_id, request.echo)
+            return Answer(b"", sse=True, stream=events)
         # 2-6: Proxy.turn (a JSON text.format the pool cannot decode under: 400 text.format)
         done = await proxy.turn(ro, request.chat, format_param="text.format")
         prompt, drift = done.prompt, done.drift
@@ -129,3 +146,93 @@ class ResponsesApi:
             ext=ext,
         )
         return response_answer(response, stream=request.stream)
+
+    async def response_events(
+        self, call: StreamedTurn, rollout_id: str, echo: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
+        """A streamed Response's events as the tokens come (the module docstring)."""
+        seq = 0
+
+        def event(data: dict[str, Any]) -> bytes:
+            nonlocal seq
+            data["sequence_number"] = seq
+            seq += 1
+            return sse_events([(data["type"], data)])
+
+        created = int(time.time())
+        ext: dict[str, Any] = {"call_id": call.call_id, "rollout_id": rollout_id}
+        start = response_body(
+            call_id=call.call_id,
+            created_at=created,
+            model=self.proxy.model,
+            output=[],
+            incomplete=False,
+            input_tokens=len(call.prompt),
+            output_tokens=0,
+            echo=echo,
+            ext=ext,
+        )
+        start |= {"status": "in_progress", "usage": None}
+        yield event({"type": "response.created", "response": start})
+        yield event({"type": "response.in_progress", "response": start})
+        item_id = f"msg_{call.call_id}"
+        at = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        opened = False
+        try:
+            async for d in call.deltas():
+                if not d.text:
+                    continue
+                if not opened:
+                    opened = True
+                    item = {"type": "message", "id": item_id, "role": "assistant",
+                            "status": "in_progress", "content": []}  # fmt: skip
+                    part = {"type": "output_text", "text": "", "annotations": []}
+                    yield event({"type": "response.output_item.added", "output_index": 0,
+                                 "item": item})  # fmt: skip
+                    yield event({"type": "response.content_part.added", **at, "part": part})
+                yield event(
+                    {"type": "response.output_text.delta", **at, "delta": d.text, "logprobs": []}
+                )
+            out, reply = call.out, call.reply
+            assert out is not None and reply is not None
+            incomplete = out.finish_reason == "length"
+            output = output_items(call.call_id, reply.content, reply.tool_calls,
+                                  incomplete=incomplete)  # fmt: skip
+            if call.rest and opened:
+                yield event(
+                    {"type": "response.output_text.delta", **at, "delta": call.rest, "logprobs": []}
+                )
+            for i, item in enumerate(output):
+                events = item_events(i, item)
+                if opened and i == 0:  # the message item is open: only its end is left
+                    events = [e for e in events if e["type"] not in (
+                        "response.output_item.added", "response.content_part.added",
+                        "response.output_text.delta")]  # fmt: skip
+                for e in events:
+                    yield event(e)
+            ext |= {
+                "backend": out.backend,
+                "policy_version": out.policy_version,
+                "drift_tokens": call.drift,
+            }
+            if reply.tool_choice_met is not None:
+                ext["tool_choice_met"] = reply.tool_choice_met
+            final = response_body(
+                call_id=call.call_id,
+                created_at=created,
+                model=self.proxy.model,
+                output=output,
+                incomplete=incomplete,
+                input_tokens=len(call.prompt),
+                output_tokens=len(out.token_ids),
+                echo=echo,
+                ext=ext,
+            )
+            kind = "response.incomplete" if incomplete else "response.completed"
+            yield event({"type": kind, "response": final})
+        except ApiError as exc:
+            err = responses_error(exc)
+            body = {"code": err.code, "message": err.message, "param": err.param}
+            yield event({"type": "error", **body, "error": body})
+        finally:
+            await call.close()

@@ -51,13 +51,13 @@ incomplete, incomplete_details: {reason: "max_output_tokens"} | null, model, out
 {input_tokens, output_tokens, total_tokens, ...details}, the request's settings echoed,
 rollstream: {call_id, rollout_id, backend, policy_version, drift_tokens, tool_choice_met?}}``.
 
-Streaming: the backend call is not streamed (failover needs the whole completion before a byte
-goes out), so ``stream: true`` answers the complete event sequence built from the finished
-response: response.created, response.in_progress, per output item response.output_item.added,
+Streaming: ``stream_events`` is the complete event sequence of a finished response:
+response.created, response.in_progress, per output item response.output_item.added,
 then (message) response.content_part.added / response.output_text.delta /
 response.output_text.done / response.content_part.done or (function call)
 response.function_call_arguments.delta / .done, then response.output_item.done; last
-response.completed (response.incomplete when the reply hit max_output_tokens). Every event
+response.completed (response.incomplete when the reply hit max_output_tokens). The Responses
+route streams the same events as the tokens come (responses_api.py). Every event
 carries ``type`` and ``sequence_number``.
 """
 
@@ -82,6 +82,7 @@ __all__ = [
     "MAX_METADATA",
     "MAX_TOOLS",
     "ResponsesRequest",
+    "item_events",
     "output_items",
     "parse_responses_request",
     "response_answer",
@@ -486,7 +487,7 @@ def response_body(
     }
 
 
-def _item_events(i: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+def item_events(i: int, item: dict[str, Any]) -> list[dict[str, Any]]:
     """The events of output item ``i``, from added to done (no sequence numbers yet)."""
     at = {"item_id": item["id"], "output_index": i}
     if item["type"] == "message":
@@ -535,7 +536,7 @@ def stream_events(response: dict[str, Any]) -> list[dict[str, Any]]:
         {"type": "response.in_progress", "response": start},
     ]
     for i, item in enumerate(response["output"]):
-        events += _item_events(i, item)
+        events += item_events(i, item)
     last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
     events.append({"type": last, "response": response})
     return [{**e, "sequence_number": n} for n, e in enumerate(events)]

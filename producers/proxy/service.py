@@ -59,10 +59,15 @@ prompt, beside its completion. The tool results and the drift go with choice 0. 
 remembered: the harness's next request tells which choice it kept, and the next call extends
 that one.
 
-Streaming: the backend call is not streamed (failover needs the whole completion before a byte
-goes out), so ``stream=true`` answers with the complete SSE sequence once the completions are
-there: per choice (index 0 first) a role chunk, a content chunk, a tool_calls chunk and the
-finish chunk, then an optional usage chunk, ``data: [DONE]``.
+Streaming (``stream: true`` with one choice; stream_turn.py): steps 2 to 4 run up to the
+backend's FIRST token (``open_stream``: the pool's failover applies until then, and every
+failure is an HTTP error answer); then the answer is sent as the tokens arrive (content deltas
+decoded incrementally, held back where a tool-call marker may start), and steps 5 and 6 (read,
+record) run once after the last token, on the whole reply. A backend failure after the first
+token ends the stream with an error event; a client that hangs up closes the backend request;
+both are recorded as a RolloutError, not an LlmCall. With ``n`` > 1 the choices are generated
+whole and then sent as SSE (per choice, index 0 first: a role chunk, a content chunk, a
+tool_calls chunk and the finish chunk; then an optional usage chunk, ``data: [DONE]``).
 
 Errors: ApiError (producers/errors.py) becomes ``{"error": {"message", "type", "param",
 "code"}}``; a ChatInputError a 400 with its param and code (openai_wire.as_api_error).
@@ -77,7 +82,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +100,7 @@ from rollstream.producers.errors import (
 from rollstream.producers.proxy.backends import Completion
 from rollstream.producers.proxy.chat import (
     ChatTemplate,
+    ChatTurn,
     ToolResult,
     read_replies,
     render_text,
@@ -129,6 +135,7 @@ from rollstream.producers.proxy.rollout_api import (
     RolloutTokens,
 )
 from rollstream.producers.proxy.settings import ProxySettings
+from rollstream.producers.proxy.stream_turn import StreamedTurn, chat_events
 from rollstream.producers.proxy.turns import Turn
 from rollstream.producers.sdk.ids import new_ulid
 from rollstream.producers.sdk.recorder import Recorder, RecorderUsageError
@@ -281,23 +288,7 @@ class Proxy:
         ``format_param``; ``overflow(error, prompt_tokens, max_tokens)`` words a context
         overflow as the API does. Raises ApiError or ChatInputError."""
         params = request.params
-        if request.response_format is not None and not self.pool.guided_decoding:
-            kind = request.response_format["type"]
-            msg = (
-                f"{format_param} {kind} needs a backend with guided decoding (vLLM); this "
-                "proxy's backends cannot constrain the reply"
-            )
-            raise ApiError(400, msg, param=format_param, code="unsupported")
-        # 2 render
-        turn = render_turn(
-            self.chat,
-            ro.memory,
-            messages=request.messages,
-            tools=request.tools,
-            tool_choice=request.tool_choice,
-            add_generation_prompt=request.add_generation_prompt,
-            stop=params.stop,
-        )
+        turn = self._render(ro, request, format_param)  # 2 render
         prompt = turn.prompt.ids
         default = default_max_tokens or self.settings.proxy_default_max_tokens
         try:
@@ -335,12 +326,91 @@ class Proxy:
             self._record(ro, call_id, prompt, out, drift if i == 0 else 0, tools)
         return Turn(turn, prompt, outs, replies, call_ids, drift)
 
+    def _render(self, ro: OpenRollout, request: ChatRequest, format_param: str) -> ChatTurn:
+        """Step 2 (and the response_format check before it)."""
+        if request.response_format is not None and not self.pool.guided_decoding:
+            kind = request.response_format["type"]
+            msg = (
+                f"{format_param} {kind} needs a backend with guided decoding (vLLM); this "
+                "proxy's backends cannot constrain the reply"
+            )
+            raise ApiError(400, msg, param=format_param, code="unsupported")
+        return render_turn(
+            self.chat,
+            ro.memory,
+            messages=request.messages,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            add_generation_prompt=request.add_generation_prompt,
+            stop=request.params.stop,
+        )
+
+    async def open_stream(
+        self,
+        ro: OpenRollout,
+        request: ChatRequest,
+        *,
+        default_max_tokens: int | None = None,
+        format_param: str = "response_format",
+        overflow: Callable[[ApiError, int, int], ApiError] | None = None,
+    ) -> StreamedTurn:
+        """A streamed call (one choice) up to the backend's first token: steps 2 to 4 as in
+        ``turn`` (render, budget, the pool's routing and failover; every failure an ApiError,
+        answered with its status), then a StreamedTurn whose ``deltas()`` give the rest as it
+        is generated and read and record the reply after the last token (stream_turn.py)."""
+        params = request.params
+        started = time.perf_counter()
+        turn = self._render(ro, request, format_param)
+        prompt = turn.prompt.ids
+        default = default_max_tokens or self.settings.proxy_default_max_tokens
+        call_id = new_ulid()
+        try:
+            max_tokens = self._budget(len(prompt), params.max_tokens, default)
+            extra: dict[str, Any] = {}
+            if params.top_logprobs:
+                extra["top_logprobs"] = params.top_logprobs
+            if request.response_format is not None:
+                extra["response_format"] = request.response_format
+            chunks = self.pool.stream(
+                ro.rollout_id,
+                prompt,
+                max_tokens=max_tokens,
+                stop_token_ids=turn.stop_token_ids or None,
+                **params.sampling,
+                **extra,
+            )
+            with self._call_failures(ro, call_id, turn.tool_results):
+                first = await anext(chunks)
+        except ApiError as exc:
+            if overflow is None or exc.code != "context_length_exceeded":
+                raise
+            raise overflow(exc, len(prompt), params.max_tokens or default) from exc
+        return StreamedTurn(
+            chat=self.chat,
+            ro=ro,
+            turn=turn,
+            prompt=prompt,
+            call_id=call_id,
+            params=params,
+            first=first,
+            chunks=chunks,
+            drift=turn.prompt.drift_tokens,
+            model=self.model,
+            record=self._record,
+            fail=self._failed,
+            started=started,
+        )
+
     async def chat_call(self, ro: OpenRollout, body: dict[str, Any]) -> Answer:
         """A chat completion for ``ro`` (see the module docstring for its seven steps). Raises
         ApiError or ChatInputError."""
         # 1 parse
         request = parse_chat_request(body)
         params = request.params
+        if params.stream and params.n == 1:  # 2-4 now, 5-7 as the tokens come
+            call = await self.open_stream(ro, request)
+            events = chat_events(call, created=int(time.time()), rollout_id=ro.rollout_id)
+            return Answer(b"", sse=True, stream=events)
         # 2-6
         done = await self.turn(ro, request)
         outs, replies, call_ids, prompt = done.outs, done.replies, done.call_ids, done.prompt
@@ -457,8 +527,20 @@ class Proxy:
             )
             for i in range(params.n)
         ]
-        try:
+        with self._call_failures(ro, call_id, tool_results):
             return await _all(samples)
+        raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
+
+    @contextlib.contextmanager
+    def _call_failures(
+        self, ro: OpenRollout, call_id: str, tool_results: list[ToolResult]
+    ) -> Iterator[None]:
+        """The pool's failures of a call as answers: a paused pool is a 429 with Retry-After,
+        not recorded (the harness retries); any other is recorded once as a RolloutError
+        (with the request's tool results first, under ``call_id``) and answered 503 (no
+        backend), 400 (the backend rejected it) or 502."""
+        try:
+            yield
         except PoolPaused as exc:
             retry = str(math.ceil(exc.retry_after_s))
             raise ApiError(429, str(exc), code="paused", headers={"Retry-After": retry}) from exc

@@ -14,6 +14,7 @@ from rollstream.producers.proxy.backends import Completion
 from rollstream.producers.proxy.chat import AssistantReply, ChatTemplate, ChatTurn
 from rollstream.producers.proxy.openai_wire import ChatRequest
 from rollstream.producers.proxy.rollout_api import OpenRollout
+from rollstream.producers.proxy.stream_turn import StreamedTurn
 
 __all__ = ["Pipeline", "Turn"]
 
@@ -51,3 +52,13 @@ class Pipeline(Protocol):
         format_param: str = "response_format",
         overflow: Callable[[ApiError, int, int], ApiError] | None = None,
     ) -> Turn: ...
+
+    async def open_stream(
+        self,
+        ro: OpenRollout,
+        request: ChatRequest,
+        *,
+        default_max_tokens: int | None = None,
+        format_param: str = "response_format",
+        overflow: Callable[[ApiError, int, int], ApiError] | None = None,
+    ) -> StreamedTurn: ...
