@@ -44,14 +44,14 @@ kafka-jars: $(STAMP) sysdeps
 test: kafka-jars
 	$(LINT_IMPORTS)
 	@mkdir -p .rollstream
-	@$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/chaos --junitxml=.rollstream/pytest-junit.xml $(PYTEST_ARGS); \
+	@$(PY) -m pytest -q -p no:cacheprovider --junitxml=.rollstream/pytest-junit.xml $(PYTEST_ARGS); \
 	rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	if [ $$rc -ne 0 ]; then $(PY) .ci/failed_tests.py .rollstream/pytest-junit.xml; fi; \
 	exit $$rc
 
 # The chaos run (docs/chaos.md): the whole loop, each part SIGKILLed in turn, then audited end
-# to end. It fails today on the findings listed there, so `make test` does not run it.
+# to end. `make test` runs its short form (one kill of each part, ~2 min); this, more rounds.
 ROUNDS ?= 1
 chaos: kafka-jars
 	ROLLSTREAM_CHAOS_ROUNDS=$(ROUNDS) $(PY) -m pytest tests/chaos -q -s -p no:cacheprovider

@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 from _logged_process import LoggedProcess
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from test_trainer import make_sample
 
 from rollstream.adapters.topics import ensure_topics
 from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
-from rollstream.schemas import Codec, CommonSettings, Sample, SampleMode
+from rollstream.schemas import Codec, CommonSettings
 
 pytestmark = pytest.mark.integration
 
@@ -307,29 +307,10 @@ def _readable(log: str, n: int = 40) -> str:
     return "\n".join([ln for ln in log.splitlines() if not any(x in ln for x in noise)][-n:])
 
 
-def _sample(i: int) -> Sample:
-    rng = np.random.default_rng(i)
-    mask = np.array([0] * 8 + [1] * 16, dtype=np.uint8)
-    return Sample(
-        sample_id=f"s{i}",
-        rollout_id=f"r{i}",
-        group_id="g",
-        task_id="t",
-        input_ids=rng.integers(3, 500, 24).astype(np.uint32),
-        loss_mask=mask,
-        behaviour_logprobs=(-rng.uniform(5.5, 7.0, 24) * mask).astype(np.float32),
-        advantage=float(rng.normal()),
-        reward=1.0,
-        policy_version=0,
-        mode=SampleMode.PATH,
-        parent_indices=np.zeros(0, np.int32),
-    )
-
-
 def _produce_samples(settings: CommonSettings, n: int) -> None:
     producer = Producer(settings.kafka_config())  # freed on return: no reconnects later
     for i in range(n):
-        producer.produce(settings.topics().samples, Codec().encode(_sample(i)), partition=0)
+        producer.produce(settings.topics().samples, Codec().encode(make_sample(i)), partition=0)
     assert producer.flush(30) == 0
 
 

@@ -19,42 +19,23 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from _kafka_read import read_topic
 from confluent_kafka import Consumer, Producer, TopicPartition
+from test_trainer import make_sample
 
 from rollstream.adapters.topics import admin_client, ensure_topics
 from rollstream.consumers.training.checkpoint import CheckpointMeta, CheckpointStore, Manifest
 from rollstream.consumers.training.ledger import StepLedger
 from rollstream.consumers.training.trainer import TRAINER_GROUP, TrainerSettings, TrainResult, run
 from rollstream.inference.tinymodel import ensure_tiny_model
-from rollstream.schemas import Codec, CommonSettings, PolicyVersion, Sample, SampleMode, decode_step
+from rollstream.schemas import Codec, CommonSettings, PolicyVersion, Sample, decode_step
 
 pytestmark = pytest.mark.integration
 
 codec = Codec()
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def make_sample(i: int, version: int) -> Sample:
-    rng = np.random.default_rng(i)
-    mask = np.array([0] * 8 + [1] * 16, dtype=np.uint8)
-    return Sample(
-        sample_id=f"s{i}",
-        rollout_id=f"r{i}",
-        group_id="g",
-        task_id="t",
-        input_ids=rng.integers(3, 500, 24).astype(np.uint32),
-        loss_mask=mask,
-        behaviour_logprobs=(-rng.uniform(5.5, 7.0, 24) * mask).astype(np.float32),
-        advantage=float(rng.normal()),
-        reward=1.0,
-        policy_version=version,
-        mode=SampleMode.PATH,
-        parent_indices=np.zeros(0, np.int32),
-    )
 
 
 def produce(settings: CommonSettings, samples: list[Sample]) -> list[tuple[int, int]]:
@@ -129,7 +110,7 @@ def test_an_all_stale_batch_at_the_end_is_committed_as_dropped(
 ) -> None:
     s, topics = kafka_settings, kafka_settings.topics()
     # s0..s3 (version 0) are step 1; s4, s5 (version 0) come last, stale at version 1
-    coords = produce(s, [make_sample(i, 0) for i in range(6)])
+    coords = produce(s, [make_sample(i) for i in range(6)])
     ckpt = tmp_path / "ckpt"
     settings = trainer_settings(s, model_path, ckpt, flush_idle_s)
     result = run(settings)
@@ -162,7 +143,7 @@ def test_an_all_stale_batch_at_the_end_is_committed_as_dropped(
     # a restart reads none of them again; the next step goes on from the drop-only commit
     again = run(settings)
     assert (again.resumed_from, again.steps_run, again.stale_dropped) == (1, 0, 2)
-    more = produce(s, [make_sample(i, 1) for i in range(6, 10)])
+    more = produce(s, [make_sample(i, version=1) for i in range(6, 10)])
     last = run(settings)
     assert (last.step, last.samples_trained, last.stale_dropped) == (2, 8, 2)
     manifests = dict(CheckpointStore(ckpt).manifests())
@@ -226,7 +207,7 @@ def test_sigterm_while_a_version_cannot_be_published_stops_within_seconds(
     admin = admin_client(s)  # kept while the deletion runs
     for future in admin.delete_topics([topics.policy]).values():
         future.result(30)  # the broker does not create topics: the publish waits
-    produce(s, [make_sample(i, 0) for i in range(4)])  # one step
+    produce(s, [make_sample(i) for i in range(4)])  # one step
     ckpt = tmp_path / "ckpt"
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
