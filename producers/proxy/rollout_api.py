@@ -150,10 +150,12 @@ class Auth:
         admin_keys: Sequence[str],
         *,
         limiter: RateLimiter | None = None,
+        evaluator_keys: Sequence[str] = (),
     ) -> None:
         self.tokens = tokens
         self.limiter = limiter
         self._admin = [k.encode() for k in admin_keys if k]
+        self._evaluator = [k.encode() for k in evaluator_keys if k]
 
     @property
     def admin_open(self) -> bool:
@@ -161,6 +163,16 @@ class Auth:
 
     def is_admin(self, token: str | None) -> bool:
         return key_matches(token, self._admin)
+
+    def is_evaluator(self, token: str | None) -> bool:
+        """An evaluator key: it may score, finish and post lifecycle events of any open rollout
+        (``rollout_of(..., evaluator=True)``, ``evaluator_or_admin``), and nothing else."""
+        return bool(self._evaluator) and key_matches(token, self._evaluator)
+
+    def evaluator_or_admin(self, token: str | None) -> None:
+        if self.is_evaluator(token):
+            return
+        self.admin(token)
 
     def admin(self, token: str | None) -> None:
         """Pass when ``token`` (the request's bearer token) is an admin key or no key is set."""
@@ -173,16 +185,21 @@ class Auth:
         if not self.is_admin(token):
             raise ApiError(401, "invalid admin API key", code="unauthorized")
 
-    def rollout_of(self, token: str | None, rollout_id: str | None) -> str:
+    def rollout_of(
+        self, token: str | None, rollout_id: str | None, *, evaluator: bool = False
+    ) -> str:
         """The rollout a request with this bearer token may write: the URL's ``rollout_id``
-        (checked against the token) or, on an unscoped URL, the token's own."""
+        (checked against the token) or, on an unscoped URL, the token's own. An admin key opens
+        any rollout on its URL; with ``evaluator``, an evaluator key too."""
         if token is None:
             raise ApiError(
                 401, "missing rollout token (Authorization: Bearer ...)", code="unauthorized"
             )
         owner = self.tokens.verify(token)
         if owner is None:
-            if rollout_id is not None and self.is_admin(token):
+            if rollout_id is not None and (
+                self.is_admin(token) or (evaluator and self.is_evaluator(token))
+            ):
                 return rollout_id
             raise ApiError(401, "invalid rollout token", code="unauthorized")
         if rollout_id is not None and owner != rollout_id:
@@ -413,12 +430,12 @@ class RolloutApi:
             "policy_version": ro.handle.policy_version, "final_rewards": final_rewards,
         }, 201)  # fmt: skip
 
-    def _open(self, request: HttpRequest) -> OpenRollout:
-        rid = self.auth.rollout_of(request.token, request.path["rollout_id"])
+    def _open(self, request: HttpRequest, *, evaluator: bool = False) -> OpenRollout:
+        rid = self.auth.rollout_of(request.token, request.path["rollout_id"], evaluator=evaluator)
         return self.rollouts.get(rid)
 
     async def get(self, request: HttpRequest) -> Answer:
-        rid = self.auth.rollout_of(request.token, request.path["rollout_id"])
+        rid = self.auth.rollout_of(request.token, request.path["rollout_id"], evaluator=True)
         ro = self.rollouts.open.get(rid)
         if ro is None:
             if rid in self.rollouts.finished:
@@ -512,7 +529,7 @@ class RolloutApi:
         return json_answer({**answer, "source_call_id": source}, 201)
 
     async def rewards(self, request: HttpRequest) -> Answer:
-        ro = self._open(request)
+        ro = self._open(request, evaluator=True)
         body = await request.json()
         items = body.get("rewards", [body])
         if not isinstance(items, list) or not items:
@@ -562,12 +579,12 @@ class RolloutApi:
 
     async def events(self, request: HttpRequest) -> Answer:
         """Lifecycle facts (stage started/finished, sandbox ready/released, evaluator output)
-        about an open rollout, recorded in order; only the admin key may post them."""
+        about an open rollout, recorded in order; only an evaluator or admin key may post them."""
         token = request.token
         if token is not None and self.auth.tokens.verify(token) is not None:
             msg = "lifecycle events are posted with the admin key, not a rollout token"
             raise ApiError(403, msg, code="forbidden")
-        self.auth.admin(token)
+        self.auth.evaluator_or_admin(token)
         rid = request.path["rollout_id"]
         bodies = parse_lifecycle(await request.json())
         ro = self.rollouts.get(rid)
@@ -578,7 +595,7 @@ class RolloutApi:
         return json_answer({"rollout_id": rid, "recorded": len(ids), "event_ids": ids})
 
     async def finish(self, request: HttpRequest) -> Answer:
-        rid = self.auth.rollout_of(request.token, request.path["rollout_id"])
+        rid = self.auth.rollout_of(request.token, request.path["rollout_id"], evaluator=True)
         body = await request.json()
         try:
             status = RolloutStatus(body.get("status", "completed"))

@@ -198,6 +198,7 @@ class Proxy:
         self.auth = Auth(
             RolloutTokens(secret or secrets.token_bytes(32)),
             [k.get_secret_value() for k in s.proxy_api_keys],
+            evaluator_keys=[k.get_secret_value() for k in s.proxy_evaluator_keys],
             limiter=limiter,
         )
         self.rollouts = Rollouts(recorder, pool)

@@ -59,6 +59,9 @@ class ProxySettings(RecorderSettings):
     proxy_default_max_tokens: int = 1024  # chat calls without max_tokens (capped by the room)
     proxy_max_body_bytes: int = 8 * 1024 * 1024
     proxy_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    # keys that may score, finish and post lifecycle events of open rollouts (the EVAL stage),
+    # and nothing else: no creation, no admin route, no model call (unset: <home>/keys.json)
+    proxy_evaluator_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     proxy_token_secret: SecretStr | None = None  # HMAC key of rollout tokens; None: random
     proxy_public_url: str | None = None  # base of the base_url handed out; default: request's
     proxy_pause_wait_s: float = 60.0  # a paused call waits this long, then gets 429
@@ -73,7 +76,9 @@ class ProxySettings(RecorderSettings):
     proxy_rate_limit_rps: float = Field(20.0, ge=0, le=1e5)  # requests/s per token; 0: no limit
     proxy_rate_limit_burst: int = Field(40, ge=1, le=1_000_000)  # requests a token may burst
 
-    _lists = field_validator("proxy_backends", "proxy_api_keys", mode="before")(_split_list)
+    _lists = field_validator(
+        "proxy_backends", "proxy_api_keys", "proxy_evaluator_keys", mode="before"
+    )(_split_list)
 
     def resolved_model_path(self) -> Path:
         return self.proxy_model_path or self.home / "models" / "tiny"

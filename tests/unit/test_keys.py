@@ -183,7 +183,8 @@ def test_the_unset_key_settings_of_every_service_are_filled(
     home: Path, keyed: dict[str, str]
 ) -> None:
     proxy = ProxySettings(home=home)
-    assert _secrets(proxy.proxy_api_keys) == [keyed["admin"], keyed["evaluator"]]
+    assert _secrets(proxy.proxy_api_keys) == [keyed["admin"]]
+    assert _secrets(proxy.proxy_evaluator_keys) == [keyed["evaluator"]]
     assert _secrets(proxy.proxy_backend_api_key) == keyed["model"]
     assert _secrets(proxy.metrics_key) == keyed["metrics"]
     assert _secrets(ModelServerSettings(home=home).model_api_key) == keyed["model"]
@@ -223,10 +224,7 @@ def test_an_empty_value_counts_as_unset(
     monkeypatch.setenv("ROLLSTREAM_MODEL_API_KEY", "")
     monkeypatch.setenv("ROLLSTREAM_PROXY_API_KEYS", "")
     assert _secrets(ModelServerSettings(home=home).model_api_key) == keyed["model"]
-    assert _secrets(ProxySettings(home=home).proxy_api_keys) == [
-        keyed["admin"],
-        keyed["evaluator"],
-    ]
+    assert _secrets(ProxySettings(home=home).proxy_api_keys) == [keyed["admin"]]
 
 
 def test_a_workers_admin_key_by_hand_keeps_the_files_evaluator_key_out(
