@@ -244,9 +244,17 @@ class Rollouts:
     """The proxy's open rollouts (in memory) and the recently finished ones (for 409s)."""
 
     def __init__(
-        self, recorder: Recorder, pool: BackendPool, *, keep_finished: int = 100_000
+        self,
+        recorder: Recorder,
+        pool: BackendPool,
+        *,
+        keep_finished: int = 100_000,
+        max_open: int = 10_000,
+        max_calls: int = 10_000,
+        max_tokens: int = 16_000_000,
     ) -> None:
         self.recorder, self.pool = recorder, pool
+        self.max_open, self.max_calls, self.max_tokens = max_open, max_calls, max_tokens
         self.open: dict[str, OpenRollout] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()
         self.keep_finished = keep_finished
@@ -262,6 +270,14 @@ class Rollouts:
         if rid in self.open or rid in self.finished:
             raise ApiError(
                 409, f"rollout {rid} already exists", code="rollout_exists", param="rollout_id"
+            )
+        if len(self.open) >= self.max_open:
+            raise ApiError(
+                503,
+                f"the proxy holds {len(self.open)} open rollouts, its bound "
+                "(proxy_max_open_rollouts): finish some, or retry later",
+                code="too_many_open_rollouts",
+                headers={"Retry-After": str(NOT_DURABLE_RETRY_S)},
             )
         self.durable()
         try:
@@ -287,6 +303,20 @@ class Rollouts:
                 f"is full or failing); retry in {NOT_DURABLE_RETRY_S} s",
                 code="events_not_durable",
                 headers={"Retry-After": str(NOT_DURABLE_RETRY_S)},
+            )
+
+    def room_for_a_call(self, ro: OpenRollout) -> None:
+        """409 ``rollout_too_large`` once the rollout has made ``max_calls`` model calls or its
+        context holds ``max_tokens`` tokens: what the proxy keeps of one rollout is bounded.
+        Its rewards, tool calls and finish are still taken."""
+        held = ro.handle.context.tokens_held
+        if ro.calls >= self.max_calls or held >= self.max_tokens:
+            raise ApiError(
+                409,
+                f"rollout {ro.rollout_id} has made {ro.calls} model calls holding {held} tokens;"
+                f" one rollout may make {self.max_calls} calls (proxy_max_rollout_calls) and "
+                f"hold {self.max_tokens} tokens (proxy_max_rollout_tokens): finish it",
+                code="rollout_too_large",
             )
 
     def get(self, rollout_id: str) -> OpenRollout:

@@ -201,7 +201,13 @@ class Proxy:
             evaluator_keys=[k.get_secret_value() for k in s.proxy_evaluator_keys],
             limiter=limiter,
         )
-        self.rollouts = Rollouts(recorder, pool)
+        self.rollouts = Rollouts(
+            recorder,
+            pool,
+            max_open=s.proxy_max_open_rollouts,
+            max_calls=s.proxy_max_rollout_calls,
+            max_tokens=s.proxy_max_rollout_tokens,
+        )
         self.api = RolloutApi(self.rollouts, self.auth, public_url=s.proxy_public_url)
         self.jobs = JobsApi(settings, self.auth)
         self.otlp = OtlpApi(self.rollouts, self.auth, max_body_bytes=s.proxy_max_body_bytes)
@@ -267,9 +273,12 @@ class Proxy:
         }
 
     def open_rollout(self, token: str | None, rollout_id: str | None) -> OpenRollout:
-        """The open rollout a request with bearer ``token`` may write: the URL's
-        ``rollout_id`` or, on an unscoped URL, the token's (401, 403, 404, 409)."""
-        return self.rollouts.get(self.auth.rollout_of(token, rollout_id))
+        """The open rollout a model call with bearer ``token`` writes: the URL's ``rollout_id``
+        or, on an unscoped URL, the token's (401, 403, 404, 409; 409 ``rollout_too_large``
+        past the per-rollout bounds)."""
+        ro = self.rollouts.get(self.auth.rollout_of(token, rollout_id))
+        self.rollouts.room_for_a_call(ro)
+        return ro
 
     # --- the pipeline of a model call ----------------------------------------------------------
 
@@ -632,7 +641,7 @@ class Proxy:
 
     async def models(self, request: HttpRequest) -> Answer:
         if "rollout_id" in request.path:
-            self.open_rollout(request.token, request.path["rollout_id"])
+            self.rollouts.get(self.auth.rollout_of(request.token, request.path["rollout_id"]))
         card = {
             "id": self.model,
             "object": "model",

@@ -75,6 +75,11 @@ class ProxySettings(RecorderSettings):
     # limited): a token bucket (ratelimit.py); over it, 429 rate_limit_exceeded + Retry-After
     proxy_rate_limit_rps: float = Field(20.0, ge=0, le=1e5)  # requests/s per token; 0: no limit
     proxy_rate_limit_burst: int = Field(40, ge=1, le=1_000_000)  # requests a token may burst
+    # what the proxy holds in memory: open rollouts, and per rollout its model calls and the
+    # tokens of its context trie (unique prompt + completion tokens)
+    proxy_max_open_rollouts: int = Field(10_000, ge=1, le=1_000_000)  # past it: 503
+    proxy_max_rollout_calls: int = Field(10_000, ge=1, le=1_000_000)  # past it: 409
+    proxy_max_rollout_tokens: int = Field(16_000_000, ge=1_024, le=2**31)  # past it: 409
 
     _lists = field_validator(
         "proxy_backends", "proxy_api_keys", "proxy_evaluator_keys", mode="before"

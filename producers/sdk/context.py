@@ -167,6 +167,7 @@ class ContextTrie:
 
     def _reset(self) -> None:
         self.anchor: str | None = None  # an explicit branch point's call, for the next add
+        self.tokens_held = 0  # tokens the trie's labels hold (its memory, 4 bytes each)
         self._root = _Node(np.zeros(0, _U32), None, 0)
         self._ends: dict[str, _Node] = {}
         self._epoch = 0
@@ -209,6 +210,7 @@ class ContextTrie:
             self._blocks.append(block)
             self._arena, pos = block[1], 0
         self._arena_pos = pos + n
+        self.tokens_held += n
         label = self._arena[pos : pos + n]
         label[:mid] = tokens
         if more is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_proxy_fastpath import ADMIN, Backend, chat
+from test_proxy_fastpath import ADMIN, Backend, chat, make_app
 from test_proxy_ratelimit import USER, asgi, new_rollout, sdk_asgi
 
 from rollstream.producers import MemoryTransport, Recorder
@@ -91,3 +91,76 @@ def test_a_full_spool_with_kafka_down_is_a_503_not_a_silent_drop(
     assert stats.dropped == 0
     ids = [m.key for m in transport.messages(settings.topics().events)]
     assert len(ids) == stats.sent
+
+
+def test_what_the_proxy_holds_is_bounded(chat: ChatTemplate) -> None:
+    """Open rollouts past ``proxy_max_open_rollouts``: 503 with Retry-After; a rollout's model
+    calls past ``proxy_max_rollout_calls`` or its context past ``proxy_max_rollout_tokens``: 409
+    ``rollout_too_large``, while its rewards and finish are still taken."""
+    app, recorder = make_app(chat, Backend(chat), proxy_max_open_rollouts=2,
+                             proxy_max_rollout_calls=2, proxy_rate_limit_rps=0)  # fmt: skip
+    proxy = app.state.proxy
+
+    async def main() -> None:
+        await proxy.pool.start()
+        http = asgi(app)
+        a, _ = await new_rollout(http), await new_rollout(http)
+        r = await http.post("/v1/rollouts", json={"task_id": "t"},
+                            headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_open_rollouts"
+        assert r.headers["retry-after"] == "5"
+        client = openai.AsyncOpenAI(base_url=a["base_url"], api_key=a["token"], max_retries=0,
+                                    http_client=sdk_asgi(app))  # fmt: skip
+        for _ in range(2):
+            assert (await client.chat.completions.create(model="m", messages=USER)).choices
+        with pytest.raises(openai.ConflictError) as err:
+            await client.chat.completions.create(model="m", messages=USER)
+        assert err.value.code == "rollout_too_large"
+        assert "proxy_max_rollout_calls" in str(err.value)
+        token = {"Authorization": f"Bearer {a['token']}"}
+        rid = a["rollout_id"]
+        partial = {"value": 0.5, "kind": "partial"}
+        r = await http.post(f"/v1/rollouts/{rid}/rewards", json=partial, headers=token)
+        assert r.status_code == 200
+        r = await http.post(f"/v1/rollouts/{rid}/finish", json={}, headers=token)
+        assert r.status_code == 200
+        r = await http.post("/v1/rollouts", json={"task_id": "t"},
+                            headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        assert r.status_code == 201  # one finished: room again
+        await proxy.pool.aclose()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        recorder.close(5)
+
+
+def test_a_rollouts_context_is_bounded_in_tokens(chat: ChatTemplate) -> None:
+    app, recorder = make_app(chat, Backend(chat), proxy_max_rollout_tokens=1_024,
+                             proxy_rate_limit_rps=0)  # fmt: skip
+    proxy = app.state.proxy
+
+    async def main() -> None:
+        await proxy.pool.start()
+        http = asgi(app)
+        a = await new_rollout(http)
+        client = openai.AsyncOpenAI(base_url=a["base_url"], api_key=a["token"], max_retries=0,
+                                    http_client=sdk_asgi(app))  # fmt: skip
+        calls = 0
+        with pytest.raises(openai.ConflictError) as err:
+            for i in range(200):  # each call adds new tokens (a new user message)
+                text = f"question {i}: " + "lorem ipsum dolor " * 8
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": text}]
+                )
+                calls += 1
+        assert err.value.code == "rollout_too_large" and "proxy_max_rollout_tokens" in str(
+            err.value
+        )
+        assert 1 <= calls < 200
+        await proxy.pool.aclose()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        recorder.close(5)
