@@ -88,6 +88,14 @@ def _run_load(settings: CommonSettings) -> tuple[int, int, int]:
     return started, held, done
 
 
+def _decided(settings: CommonSettings) -> bool:
+    return bool(read_topic(settings, settings.topics().control_decisions, 10))
+
+
+def _reported(settings: CommonSettings) -> bool:
+    return bool(read_topic(settings, settings.topics().control_workers, 10))
+
+
 def _until(cond: Any, timeout: float, what: Any) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -144,6 +152,12 @@ def test_admission_starts_only_rollouts_the_trainer_can_still_train(
     )
     workers.start()
     try:
+        # the worker follows the controller once it has read a decision (until then it is
+        # fail-open, at its concurrency): queue the job once a decision is on the log and the
+        # worker reports (it reads the newest decision at start and polls every 0.2 s)
+        _until(lambda: _decided(settings) and _reported(settings), 90,
+               lambda: _said(settings, workers))  # fmt: skip
+        time.sleep(1.0)
         job = parse_job(
             {
                 "job_id": "admit-1",
