@@ -339,6 +339,26 @@ def test_group_side_by_side_with_advantages(
     assert expected["rb"] > 0 > expected["r2"]  # reward 1.0 vs 0.0 in the same group
 
 
+def test_a_slow_page_left_behind_never_draws_over_the_next(page: Page) -> None:
+    """The dashboard's lag answer held back 3 s while the user opens a rollout: when it comes,
+    the dashboard (left behind) must not replace the tree viewer."""
+    expect(page.locator("body")).to_have_attribute("data-loaded", "dashboard", timeout=30_000)
+
+    def slow(route: Any) -> None:
+        time.sleep(3.0)
+        route.continue_()
+
+    page.route("**/ui/api/lag*", slow)
+    page.goto(page.url.split("#")[0] + "#/")  # the dashboard again, its lag answer slow
+    page.goto(page.url.split("#")[0] + "#/rollout/rb?call=c4")
+    tree = page.locator("#tree-svg")
+    expect(tree.locator(".node")).to_have_count(5, timeout=30_000)
+    page.wait_for_timeout(4_000)  # the dashboard's answers are all back by now
+    expect(tree.locator(".node[data-call='c3']")).to_have_count(1)
+    expect(page.locator("#kpis")).to_have_count(0)  # no dashboard drawn over it
+    expect(page.locator("#error")).to_be_hidden()
+
+
 def test_tree_viewer_shows_the_branching_rollout(
     page: Page, store: tuple[Path, Any, dict[str, Any]]
 ) -> None:

@@ -39,13 +39,17 @@ function qs(params) {
 // --- data, with the analyst key ----------------------------------------------------------------
 
 class Unauthorized extends Error {}
+// an answer that came back after the page moved on (another route): its page must not draw
+class Stale extends Error {}
 
 async function api(path) {
+  const asked = generation;
   const key = sessionStorage.getItem("rollstream.key");
   const headers = key ? { Authorization: `Bearer ${key}` } : {};
   const r = await fetch(path, { headers });
   if (r.status === 401) { askKey(); throw new Unauthorized("an analyst API key is needed"); }
   const body = await r.json().catch(() => ({ error: `${r.status} ${r.statusText}` }));
+  if (asked !== generation) throw new Stale(path);
   if (!r.ok) throw new Error(body.error || `${r.status}`);
   return body;
 }
@@ -62,6 +66,7 @@ $("#keyform").addEventListener("submit", (e) => {
 });
 function showError(err) {
   const box = $("#error");
+  if (err instanceof Stale) return;  // a page left behind: nothing to show
   if (!err || err instanceof Unauthorized) { box.hidden = true; return; }
   box.textContent = err.message || String(err);
   box.hidden = false;
@@ -447,7 +452,7 @@ async function trajectory(id, params) {
       drawTokens($("#tokens"), t);
       const more = $("#more-tokens");
       if (more) more.addEventListener("click", () => showTokens(tokenPage(selected, Number(more.dataset.offset))));
-    } catch (err) { if (mine === shown) view.textContent = err.message; }
+    } catch (err) { if (mine === shown && !(err instanceof Stale)) view.textContent = err.message; }
   }
   async function select(call, request) {
     selected = call;
