@@ -355,30 +355,18 @@ class BackendPool:
         last: BackendError | None = None
         try:
             while True:
-                m = self.route(rollout_id)
-                if m is None:
-                    await self._wait_for_member(deadline, last)
-                    continue
+                m = await self._dispatch(rollout_id, deadline, last, attempts)
                 attempts += 1
-                if attempts > 1:
-                    self._counts["failovers"] += 1
-                m.inflight += 1
-                m.calls += 1
-                self._counts["dispatched"] += 1
                 try:
                     out = await m.backend.complete(prompt_ids, **params)
                 except BackendUnavailable as exc:
                     last = exc
-                    self._mark_down(m, str(exc))
-                    if attempts > 4 * len(self.members) or time.monotonic() > deadline:
-                        raise NoBackendAvailable(f"backend call failed: {exc}", exc) from exc
+                    self._failed_over(m, exc, attempts, deadline)
                     continue
                 finally:
                     m.inflight -= 1
                 m.policy_version = out.policy_version
-                self._counts["completed"] += 1
-                self._counts["prompt_tokens"] += len(prompt_ids)
-                self._counts["completion_tokens"] += len(out.token_ids)
+                self._count_done(len(prompt_ids), len(out.token_ids))
                 return dataclasses.replace(out, latency_s=time.perf_counter() - started)
         finally:
             self._inflight -= 1
@@ -400,16 +388,8 @@ class BackendPool:
         last: BackendError | None = None
         try:
             while True:
-                m = self.route(rollout_id)
-                if m is None:
-                    await self._wait_for_member(deadline, last)
-                    continue
+                m = await self._dispatch(rollout_id, deadline, last, attempts)
                 attempts += 1
-                if attempts > 1:
-                    self._counts["failovers"] += 1
-                m.inflight += 1
-                m.calls += 1
-                self._counts["dispatched"] += 1
                 chunks = m.backend.stream(prompt_ids, **params)
                 try:
                     try:
@@ -419,9 +399,7 @@ class BackendPool:
                         raise BackendUnavailable(msg, backend=m.name) from None
                     except BackendUnavailable as exc:
                         last = exc
-                        self._mark_down(m, str(exc))
-                        if attempts > 4 * len(self.members) or time.monotonic() > deadline:
-                            raise NoBackendAvailable(f"backend call failed: {exc}", exc) from exc
+                        self._failed_over(m, exc, attempts, deadline)
                         continue
                     if first.policy_version is not None:
                         m.policy_version = first.policy_version
@@ -446,6 +424,30 @@ class BackendPool:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    async def _dispatch(
+        self, rollout_id: str, deadline: float, last: BackendError | None, attempts: int
+    ) -> Member:
+        """The rollout's backend for the next attempt (waiting while none is up, until
+        ``deadline``), counted as dispatched (a failover after the first attempt), its
+        ``inflight`` taken: the caller gives it back."""
+        while (m := self.route(rollout_id)) is None:
+            await self._wait_for_member(deadline, last)
+        if attempts:
+            self._counts["failovers"] += 1
+        m.inflight += 1
+        m.calls += 1
+        self._counts["dispatched"] += 1
+        return m
+
+    def _failed_over(
+        self, m: Member, exc: BackendUnavailable, attempts: int, deadline: float
+    ) -> None:
+        """``m`` failed an attempt: it is marked down; NoBackendAvailable once the attempts
+        or the time are used up (the caller tries the next backend otherwise)."""
+        self._mark_down(m, str(exc))
+        if attempts > 4 * len(self.members) or time.monotonic() > deadline:
+            raise NoBackendAvailable(f"backend call failed: {exc}", exc) from exc
 
     def _count_done(self, prompt_tokens: int, completion_tokens: int) -> None:
         self._counts["completed"] += 1
