@@ -185,18 +185,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
     async def _stream_head(
         self, conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, Any], reused: bool
     ) -> tuple[int, list[tuple[bytes, bytes]], int | None, bool, bool]:
-        writer = conn.writer
-        try:
-            writer.write(head + body)
-            if writer.transport.get_write_buffer_size():
-                async with asyncio.timeout(timeouts.get("write")):
-                    await writer.drain()
-        except TimeoutError:
-            raise Http1Error("WriteTimeout", "write timed out") from None
-        except OSError as exc:
-            if reused:
-                raise _Stale from exc
-            raise Http1Error("WriteError", str(exc) or type(exc).__name__) from exc
+        await _send(conn, head, body, timeouts, reused)
         try:
             async with asyncio.timeout(timeouts.get("read")):
                 return await _read_head(conn.reader, reused)
@@ -266,22 +255,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
         reused: bool,
         method: str,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
-        writer = conn.writer
-        try:
-            if len(body) < 65536:
-                writer.write(head + body)
-            else:
-                writer.write(head)
-                writer.write(body)
-            if writer.transport.get_write_buffer_size():
-                async with asyncio.timeout(timeouts.get("write")):
-                    await writer.drain()
-        except TimeoutError:
-            raise Http1Error("WriteTimeout", "write timed out") from None
-        except OSError as exc:
-            if reused:
-                raise _Stale from exc
-            raise Http1Error("WriteError", str(exc) or type(exc).__name__) from exc
+        await _send(conn, head, body, timeouts, reused)
         try:
             read = timeouts.get("read")
             if read is None:
@@ -325,6 +299,30 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._idle.clear()
         if self._fallback is not None:
             await self._fallback.aclose()
+
+
+async def _send(
+    conn: _Conn, head: bytes, body: bytes, timeouts: dict[str, Any], reused: bool
+) -> None:
+    """Write a request (head and body; a large body as a second write, not copied), waiting
+    for the socket only when it pushes back. A reused connection that fails to take it is
+    ``_Stale`` (the caller retries on a fresh one)."""
+    writer = conn.writer
+    try:
+        if len(body) < 65536:
+            writer.write(head + body)
+        else:
+            writer.write(head)
+            writer.write(body)
+        if writer.transport.get_write_buffer_size():
+            async with asyncio.timeout(timeouts.get("write")):
+                await writer.drain()
+    except TimeoutError:
+        raise Http1Error("WriteTimeout", "write timed out") from None
+    except OSError as exc:
+        if reused:
+            raise _Stale from exc
+        raise Http1Error("WriteError", str(exc) or type(exc).__name__) from exc
 
 
 async def _read_head(
