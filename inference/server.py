@@ -54,6 +54,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.config import LOGGING_CONFIG
 
+from rollstream.adapters.asgi_stream import send_stream
 from rollstream.adapters.auth import bearer_token, key_matches
 from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.inference import wire
@@ -88,11 +89,6 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _hung_up(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 class EventStream(Response):
     """A server-sent-events answer sent part by part from an async iterator of bytes. While it
     is sent, the client's side is watched: a client that hangs up cancels the iteration at
@@ -109,24 +105,7 @@ class EventStream(Response):
         self.init_headers({"cache-control": "no-cache"})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-        await send(start)
-
-        async def pump() -> None:
-            async for part in self.parts:
-                await send({"type": "http.response.body", "body": part, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(_hung_up(receive))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            aclose = getattr(self.parts, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        await send_stream(self.parts, 200, self.raw_headers, receive, send)
 
 
 class ModelMetrics:

@@ -18,7 +18,6 @@ backend in the pool and the event producer not closed (a degraded one spools: st
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -34,6 +33,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.config import LOGGING_CONFIG
 
+from rollstream.adapters.asgi_stream import send_stream
 from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.producers.errors import ApiError, ChatError
 from rollstream.producers.proxy.chat import ChatTemplate
@@ -240,43 +240,6 @@ async def _serve_call(
     await send({"type": "http.response.start", "status": answer.status, "headers": start})
     await send({"type": "http.response.body", "body": answer.body})
     return answer.status
-
-
-async def _hung_up(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def send_stream(
-    parts: AsyncIterator[bytes],
-    status: int,
-    headers: list[tuple[bytes, bytes]],
-    receive: Any,
-    send: Any,
-) -> None:
-    """Send a streamed answer part by part (chunked: no Content-Length) while watching the
-    client: when it hangs up, the sending stops and ``parts`` is closed at once (a streamed
-    call then ends its backend request and records why). uvicorn drops writes to a closed
-    connection silently, so the hang-up is read from ``receive``, not from a failed write."""
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def pump() -> None:
-        async for part in parts:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(_hung_up(receive))]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        aclose = getattr(parts, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    if tasks[0].done() and not tasks[0].cancelled() and (exc := tasks[0].exception()):
-        log.error("a streamed answer failed", exc_info=exc)
 
 
 class _Streamed(Response):
