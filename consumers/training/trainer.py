@@ -79,7 +79,8 @@ Debug hook (crash tests): ``ROLLSTREAM_TRAIN_DEBUG_PAUSE=STAGE:STEP`` makes the 
 to its temp dir, not committed), ``committed`` (committed, not published), ``published``.
 
 Settings: ``settings.TrainerSettings``; the step (model, optimizer, ``train_step``): step.py;
-both re-exported here. ``rollstream train`` runs ``main``.
+both re-exported here, as is ``last_published_version`` of the policy topic (publisher.py:
+``PolicyPublisher`` publishes each committed step's PolicyVersion). ``rollstream train`` runs ``main``.
 
 Errors (rollstream.consumers.errors): ``TrainerError`` (a PolicyVersion that could not be
 published, a bad setting); also raised through run: ``CheckpointError``, ``SourceError``.
@@ -94,13 +95,11 @@ import os
 import signal
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.consumers.errors import SourceError, TrainerError
@@ -117,17 +116,15 @@ from rollstream.consumers.training.checkpoint import (
     Manifest,
     read_manifests,
 )
-from rollstream.consumers.training.dataset import Polled, SampleSource, close_producer
+from rollstream.consumers.training.dataset import Polled, SampleSource
 from rollstream.consumers.training.ledger import StepLedger
 from rollstream.consumers.training.loggers import build_loggers, log_all
 from rollstream.consumers.training.metrics import TrainerMetrics
+from rollstream.consumers.training.publisher import PolicyPublisher, last_published_version
 from rollstream.consumers.training.retrain_plan import ManifestFollower
 from rollstream.consumers.training.settings import DEBUG_STAGES, TRAINER_GROUP, TrainerSettings
 from rollstream.consumers.training.step import build_optimizer, load_policy, train_step
 from rollstream.schemas import (
-    CommonSettings,
-    DecodeError,
-    PolicyVersion,
     StepSample,
     TrainStep,
     Verdict,
@@ -253,8 +250,8 @@ class Trainer:
             stage="trainer",
             codec=self.codec,
         )
-        self.producer = Producer(
-            {**s.kafka_config(), "enable.idempotence": True, "acks": "all", "linger.ms": 0}
+        self.publisher = PolicyPublisher(
+            s, self.codec, self._stop_wait, stopping=lambda: self._stopped_at is not None
         )
         self.ledger = StepLedger(
             self.store.root, self.topics.trainer_steps, s.kafka_config(), fsync=s.checkpoint_fsync
@@ -311,7 +308,7 @@ class Trainer:
         s = self.settings
         started = time.monotonic()
         first_step = self.step
-        self._publish_missing()
+        self.publisher.publish_missing(self.latest)
         self.ledger.send()
         last_activity = time.monotonic()
         while not self._done():
@@ -568,10 +565,10 @@ class Trainer:
         self.loggers = log_all(self.loggers, meta)
         self.window = _Window(StalenessFilter(s.train_max_staleness))
         self._debug_pause("committed", step)
-        published = self._publish(ckpt)
+        published = self.publisher.publish(ckpt)
         self.ledger.send()
         self._debug_pause("published", step)
-        if s.train_commit_offsets and published:  # (see _publish)
+        if s.train_commit_offsets and published:  # (see PolicyPublisher.publish)
             self.source.commit(self.offsets)
         if self.on_step is not None:
             self.on_step(meta)
@@ -620,7 +617,8 @@ class Trainer:
         self.metrics.resume(meta)
         self.window = _Window(StalenessFilter(self.settings.train_max_staleness))
         self.ledger.send()
-        if self.settings.train_commit_offsets and stop_wait is None:  # (see _publish)
+        # group offsets are for lag only: not while stopping (see PolicyPublisher.publish)
+        if self.settings.train_commit_offsets and stop_wait is None:
             self.source.commit(self.offsets)
         log.info(
             "step %d: %d stale, %d duplicate, %d dead-lettered records committed without a new "
@@ -631,67 +629,6 @@ class Trainer:
             len(w.dlq),
             meta.drop_commits,
         )
-
-    # -- policy versions
-
-    def _publish(self, ckpt: Checkpoint) -> bool:
-        """Publish the checkpoint's PolicyVersion (acks=all, flushed). Not delivered: raises
-        TrainerError, or once a stop is asked logs it and returns False; then the caller does
-        not commit the group's offsets either (a commit the broker does not answer holds the
-        consumer's close for its session timeout; those offsets are for lag only)."""
-        meta = ckpt.meta
-        record = PolicyVersion(
-            version=meta.policy_version,
-            checkpoint_uri=str(ckpt.model_dir.resolve()),
-            trainer_step=meta.step,
-            ts=time.time_ns() // 1000,
-            samples_trained=meta.samples_trained,
-            metrics=dict(meta.metrics),
-        )
-        errors: list[str] = []
-
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                errors.append(str(err))
-
-        self.producer.produce(
-            self.topics.policy, value=self.codec.encode(record), on_delivery=delivered
-        )
-        left = self._flush_policy(self.settings.train_publish_timeout_s)
-        if not (left or errors):
-            return True
-        what = (
-            f"PolicyVersion {meta.policy_version} not published to {self.topics.policy}: "
-            f"{errors or 'flush timed out'} (checkpoint {ckpt.path} is committed; a restart "
-            "publishes it)"
-        )
-        if self._stopped_at is None:
-            raise TrainerError(what)
-        log.warning("stopping: %s", what)  # not an error: the next start publishes it
-        return False
-
-    def _flush_policy(self, timeout: float) -> int:
-        """Flush the policy producer for up to ``timeout`` s, or what ``_stop_wait`` leaves
-        once a stop is asked (before or during the flush); the records left."""
-        deadline = time.monotonic() + timeout
-        left = len(self.producer)
-        while left:
-            wait = deadline - time.monotonic()
-            stop_wait = self._stop_wait()
-            wait = wait if stop_wait is None else min(wait, stop_wait)
-            if wait <= 0:
-                break
-            left = self.producer.flush(min(wait, 0.5))  # slices: a SIGTERM is seen within 0.5 s
-        return left
-
-    def _publish_missing(self) -> None:
-        """Publish the latest checkpoint's PolicyVersion if a crash came before it was."""
-        if self.latest is None:
-            return
-        last = last_published_version(self.settings)
-        if last is None or last < self.latest.meta.policy_version:
-            log.info("publishing PolicyVersion %d (missing)", self.latest.meta.policy_version)
-            self._publish(self.latest)
 
     # -- debug hook
 
@@ -715,21 +652,12 @@ class Trainer:
         try:
             stop_wait = self._stop_wait()
             if stop_wait is None and not failed:
-                close_producer(self.producer, s.train_publish_timeout_s)
+                self.publisher.close(None, self.latest)
                 self.ledger.close(min(s.train_publish_timeout_s, 10.0))
                 return
             wait = STOP_FLUSH_S if stop_wait is None else stop_wait
             deadline = time.monotonic() + wait
-            left = self.producer.flush(wait)
-            if left and self.latest is not None:
-                log.warning(
-                    "stopping: PolicyVersion %d not delivered to %s (checkpoint %s is "
-                    "committed: the next start publishes it)",
-                    self.latest.meta.policy_version,
-                    self.topics.policy,
-                    self.latest.path,
-                )
-            close_producer(self.producer, 0.0)
+            self.publisher.close(wait, self.latest)
             self.ledger.close(max(0.0, deadline - time.monotonic()))
         finally:
             self.source.close()
@@ -744,47 +672,6 @@ class Trainer:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=exc_type is not None)
-
-
-def last_published_version(settings: CommonSettings, timeout: float = 10.0) -> int | None:
-    """The highest version among the last record of each policy-topic partition."""
-    topic = settings.topics().policy
-    consumer = Consumer(
-        {
-            **settings.kafka_config(),
-            "group.id": f"rollstream-policy-probe-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-        }
-    )
-    codec = build_codec(settings)
-    try:
-        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
-        if meta is None or meta.error is not None:
-            return None
-        wanted = {}
-        for p in meta.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
-            if high > low:
-                wanted[p] = high - 1
-        if not wanted:
-            return None
-        consumer.assign([TopicPartition(topic, p, o) for p, o in wanted.items()])
-        best: int | None = None
-        deadline = time.monotonic() + timeout
-        while wanted and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error() is not None:
-                continue
-            if wanted.get(msg.partition()) == msg.offset():
-                del wanted[msg.partition()]
-                try:
-                    record = codec.decode(msg.value(), expect=PolicyVersion)
-                except DecodeError:
-                    continue
-                best = record.version if best is None else max(best, record.version)
-        return best
-    finally:
-        consumer.close()
 
 
 def run(
