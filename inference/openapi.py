@@ -1,6 +1,9 @@
 """The OpenAPI 3.1 document of the reference inference server (``GET /openapi.json``): every
 route of server.py, its request body and query schema with the bounds the server enforces
-(wire.py), and its error answers (vLLM's error body). Pure: no HTTP library, no torch."""
+(wire.py), its error answers (vLLM's error body) and the key it takes: ``adminKey``
+(``model_admin_key``) on the weight and control routes, ``modelKey`` (``model_api_key``) or
+``adminKey`` on the others, none on /health, the probes and this document. Pure: no HTTP
+library, no torch."""
 
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ _VERSION = _schema(
     new_version={"oneOf": [{**_S, "pattern": "^[0-9]{1,16}$"}, _int(0, POLICY_VERSION_MAX)]},
 )
 _OPEN = ("/health", "/livez", "/readyz", "/openapi.json")  # answered without a key
+# the weight and control routes: model_admin_key only (server.ADMIN_ROUTES; a test holds them)
+_ADMIN = ("/v1/load_weights", "/pause", "/resume", "/collective_rpc", "/update_weight_version")
 _MODE = {"name": "mode", "in": "query", "schema": {"enum": ["abort", "wait", "keep"]}}
 _EXAMPLES = {
     "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 4, "seed": 0, "logprobs": 1,
@@ -123,8 +128,11 @@ def _openapi() -> dict[str, Any]:
             op["parameters"] = query
         if path == "/metrics":
             op["security"] = [{"metricsKey": []}]  # when metrics_key is set
-        elif path not in _OPEN:
-            op["security"] = [{"modelKey": []}]  # when model_api_key is set
+        elif path in _ADMIN:  # when model_admin_key is set (else model_api_key, if set)
+            op["security"] = [{"adminKey": []}]
+            op["responses"]["401"] = {"description": "missing or wrong admin key", **error}
+        elif path not in _OPEN:  # when model_api_key is set
+            op["security"] = [{"modelKey": []}, {"adminKey": []}]
             op["responses"]["401"] = {"description": "missing or wrong API key", **error}
         paths[path] = {method: op}
     nullable = {"type": ["string", "null"]}
@@ -144,7 +152,19 @@ def _openapi() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "securitySchemes": {
-                "modelKey": {"type": "http", "scheme": "bearer", "description": "model_api_key"},
+                "modelKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "model_api_key: generation and the read-only routes",
+                },
+                "adminKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": (
+                        "model_admin_key: the weight and control routes (model_api_key while "
+                        "no admin key is set), and every other route that takes a key"
+                    ),
+                },
                 "metricsKey": {"type": "http", "scheme": "bearer", "description": "metrics_key"},
             },
             "schemas": {

@@ -22,10 +22,14 @@ Routes (request and response shapes follow vLLM's OpenAI server; docs/model-serv
   and the probes (docs/metrics.md): GET /metrics (``metrics_key``), /livez, /readyz. Ready:
   the model is loaded, its scheduler runs, and it is not paused (a weight update).
 
-Auth: with ``model_api_key`` set (vLLM's ``--api-key``), every route but ``/health`` and the
-probes answers 401 without ``Authorization: Bearer KEY``: generation and the weight routes alike
-(the proxy sends ``proxy_backend_api_key``; harnesses never learn the server's address). Unset,
-the server is open and warns at start.
+Auth (``Authorization: Bearer KEY``; 401 otherwise): the weight and control routes
+(``ADMIN_ROUTES``: /v1/load_weights, /pause, /resume, /collective_rpc, /update_weight_version)
+take ``model_admin_key`` only; every other route but ``/health`` and the probes takes
+``model_api_key`` (vLLM's ``--api-key``) or the admin key. The proxy is the one caller: it sends
+``proxy_backend_admin_key`` to the weight routes and ``proxy_backend_api_key`` to the rest;
+harnesses never learn the server's address. With no admin key the weight routes take the model
+key (one warning at start); with no model key the other routes are open; with neither the
+server is open and warns loudly.
 
 The rooms: settings.py (ModelServerSettings), engine.py (the model's worker thread and the
 batching scheduler), wire.py (request checks and response bodies), this module (routes).
@@ -48,6 +52,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import uvicorn
+from pydantic import SecretStr
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -64,7 +69,7 @@ from rollstream.inference.openapi import OPENAPI
 from rollstream.inference.settings import ModelServerSettings
 from rollstream.inference.tinymodel import GenerationResult
 
-__all__ = ["ModelMetrics", "create_app", "run"]
+__all__ = ["ADMIN_ROUTES", "OPEN_ROUTES", "ModelMetrics", "create_app", "route_keys", "run"]
 
 
 log = logging.getLogger(__name__)
@@ -362,23 +367,38 @@ class _Api:
         return JSONResponse({"weight_version": str(self.engine.version)})
 
 
-OPEN_ROUTES: frozenset[str] = frozenset({"/health"})  # answered without the key
+OPEN_ROUTES: frozenset[str] = frozenset({"/health"})  # answered without a key
+_REFUSAL = "a valid API key is required (Authorization: Bearer KEY)"
+_ADMIN_REFUSAL = "the model server's admin key is required (Authorization: Bearer KEY)"
+# the weight and control routes: the admin key's only (the model key's while none is set)
+ADMIN_ROUTES: frozenset[str] = frozenset(
+    {"/v1/load_weights", "/pause", "/resume", "/collective_rpc", "/update_weight_version"}
+)
 
 
-def _authorized(request: Request, key: bytes | None) -> bool:
-    token = bearer_token(request.headers.get("authorization"))
-    return key is None or key_matches(token, (key,))
+def route_keys(route: str, model: bytes | None, admin: bytes | None) -> tuple[bytes, ...] | None:
+    """The keys that open ``route`` (None: it is open). Pure."""
+    if route in OPEN_ROUTES:
+        return None
+    if route in ADMIN_ROUTES:
+        key = admin if admin is not None else model
+        return None if key is None else (key,)
+    if model is None:
+        return None
+    return (model,) if admin is None else (model, admin)
 
 
 def _guard(
     handler: Callable[[Request], Awaitable[Response]],
     route: str,
     metrics: ModelMetrics,
-    key: bytes | None = None,
+    keys: tuple[bytes, ...] | None = None,
+    refusal: str = _REFUSAL,
 ) -> Callable[[Request], Any]:
     async def answer(request: Request) -> Response:
-        if route not in OPEN_ROUTES and not _authorized(request, key):
-            return _error("a valid API key is required (Authorization: Bearer KEY)", 401)
+        token = bearer_token(request.headers.get("authorization"))
+        if keys is not None and not key_matches(token, keys):
+            return _error(refusal, 401)
         try:
             return await handler(request)
         except RequestRefused as exc:
@@ -398,6 +418,35 @@ def _guard(
     return wrapped
 
 
+def _key(secret: SecretStr | None) -> bytes | None:
+    return secret.get_secret_value().encode() if secret and secret.get_secret_value() else None
+
+
+def _warn_keys(settings: ModelServerSettings, model: bytes | None, admin: bytes | None) -> None:
+    """The warning at start about the keys left unset (none when both are set)."""
+    where = f"{settings.model_host}:{settings.model_port}"
+    if model is None and admin is None:
+        log.warning(
+            "!!! no model_api_key set: the model server on %s generates and loads weights "
+            "for anyone who can reach it (set ROLLSTREAM_MODEL_API_KEY and "
+            "ROLLSTREAM_MODEL_ADMIN_KEY) !!!",
+            where,
+        )
+    elif admin is None:
+        log.warning(
+            "no model_admin_key set: the model server on %s loads weights, pauses and resumes "
+            "for the model key too (set ROLLSTREAM_MODEL_ADMIN_KEY, and the proxy's "
+            "ROLLSTREAM_PROXY_BACKEND_ADMIN_KEY to the same)",
+            where,
+        )
+    elif model is None:
+        log.warning(
+            "no model_api_key set: the model server on %s generates for anyone who can reach "
+            "it; its weight routes take the admin key (set ROLLSTREAM_MODEL_API_KEY)",
+            where,
+        )
+
+
 def create_app(settings: ModelServerSettings) -> Starlette:
     """Build the server app. The model loads at lifespan startup, in the worker thread."""
     api = _Api(settings)
@@ -414,33 +463,28 @@ def create_app(settings: ModelServerSettings) -> Starlette:
             sched.close()
 
     get, post = ["GET"], ["POST"]
-    secret = settings.model_api_key
-    key = secret.get_secret_value().encode() if secret and secret.get_secret_value() else None
-    if key is None:
-        log.warning(
-            "!!! no model_api_key set: the model server on %s:%d generates and loads weights "
-            "for anyone who can reach it (set ROLLSTREAM_MODEL_API_KEY) !!!",
-            settings.model_host,
-            settings.model_port,
-        )
-    routes = [
-        Route(path, _guard(handler, path, api.metrics, key), methods=methods)
-        for path, handler, methods in [
-            ("/v1/completions", api.completions, post),
-            ("/v1/chat/completions", api.chat_completions, post),
-            ("/v1/models", api.models, get),
-            ("/health", api.health, get),
-            ("/v1/policy_version", api.policy_version, get),
-            ("/v1/load", api.load, get),
-            ("/v1/load_weights", api.load_weights, post),
-            ("/pause", api.pause, post),
-            ("/resume", api.resume, post),
-            ("/is_paused", api.is_paused, get),
-            ("/collective_rpc", api.collective_rpc, post),
-            ("/update_weight_version", api.update_weight_version, post),
-            ("/weight_info", api.weight_info, get),
-        ]
-    ]
+    model, admin = _key(settings.model_api_key), _key(settings.model_admin_key)
+    _warn_keys(settings, model, admin)
+    routes = []
+    for path, handler, methods in [
+        ("/v1/completions", api.completions, post),
+        ("/v1/chat/completions", api.chat_completions, post),
+        ("/v1/models", api.models, get),
+        ("/health", api.health, get),
+        ("/v1/policy_version", api.policy_version, get),
+        ("/v1/load", api.load, get),
+        ("/v1/load_weights", api.load_weights, post),
+        ("/pause", api.pause, post),
+        ("/resume", api.resume, post),
+        ("/is_paused", api.is_paused, get),
+        ("/collective_rpc", api.collective_rpc, post),
+        ("/update_weight_version", api.update_weight_version, post),
+        ("/weight_info", api.weight_info, get),
+    ]:
+        keys = route_keys(path, model, admin)
+        refusal = _ADMIN_REFUSAL if path in ADMIN_ROUTES and admin is not None else _REFUSAL
+        guard = _guard(handler, path, api.metrics, keys, refusal)
+        routes.append(Route(path, guard, methods=methods))
     routes.append(Route("/openapi.json", lambda _: JSONResponse(OPENAPI), methods=get))
     routes += metrics_routes(api.metrics.service, settings.metrics_key)
     app = Starlette(routes=routes, lifespan=lifespan)

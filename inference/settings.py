@@ -37,9 +37,15 @@ class ModelServerSettings(CommonSettings):
     model_device: str = "cpu"  # torch device of the model
     model_torch_threads: int | None = 1  # None: torch default (all cores); 1 is robust on CPU
     model_log_level: str = "warning"  # uvicorn's log level
-    # Bearer key every route but /health and the probes asks for (vLLM's --api-key; the proxy
-    # sends its ROLLSTREAM_PROXY_BACKEND_API_KEY). Unset: open, and the server warns at start.
-    model_api_key: SecretStr | None = None
+    # Generation and the read-only routes take model_api_key (vLLM's --api-key; the proxy sends
+    # ROLLSTREAM_PROXY_BACKEND_API_KEY); unset, they are open and the server warns at start. The
+    # weight and control routes (/v1/load_weights, /pause, /resume, /collective_rpc,
+    # /update_weight_version) take model_admin_key only (the proxy sends
+    # ROLLSTREAM_PROXY_BACKEND_ADMIN_KEY), which opens the other routes too; unset, they take
+    # model_api_key and the server warns at start. Both unset: <home>/keys.json's model and
+    # admin keys.
+    model_api_key: SecretStr | None = None  # bearer key of generation and the read-only routes
+    model_admin_key: SecretStr | None = None  # bearer key of the weight routes (unset: model key)
 
     def resolved_model_path(self) -> Path:
         return self.model_path if self.model_path is not None else self.home / "models" / "tiny"

@@ -13,9 +13,10 @@ settings each key fills when they are left unset. Pure: no file is touched here.
                                            filled only when all of them are unset)
 
 Who holds which key (docs/security.md): the admin key opens the proxy's rollout creation, jobs,
-pool and weight routes (operators, the rollout service); the evaluator key posts a job's final
-rewards and finishes its rollouts (the EVAL stage); the analyst key reads one namespace's
-analytics; the model key is what the proxy sends to the model server; the metrics key opens
+pool and weight routes (operators, the rollout service) and the model server's weight and
+control routes (the proxy sends it there); the evaluator key posts a job's final rewards and
+finishes its rollouts (the EVAL stage); the analyst key reads one namespace's analytics; the
+model key is what the proxy sends to the model server for generation; the metrics key opens
 every service's ``/metrics``. A harness never holds any of them: it gets a rollout token from the
 proxy. A key names its role (``rs_admin_...``), so a leaked one is recognised.
 
@@ -71,7 +72,9 @@ FILLS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("proxy_api_keys", ("admin", "evaluator")),  # the proxy: who may open its admin routes
     ("proxy_evaluator_keys", ("evaluator",)),  # ... its evaluator keys, once it has them
     ("proxy_backend_api_key", ("model",)),  # what the proxy sends to the model server
-    ("model_api_key", ("model",)),  # the model server's key
+    ("proxy_backend_admin_key", ("admin",)),  # ... to its weight and control routes
+    ("model_api_key", ("model",)),  # the model server's key: generation, read-only routes
+    ("model_admin_key", ("admin",)),  # ... its weight and control routes
     ("analytics_api_keys", ("analyst", "admin")),  # the analytics server's keys
     ("analytics_api_key", ("analyst",)),  # what `report` and `replay` send to it
     ("rollouts_admin_key", ("admin",)),  # stage workers, run-job: rollouts at the proxy
@@ -82,10 +85,14 @@ FILLS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
 KEY_FIELDS: Final[frozenset[str]] = frozenset(name for name, _ in FILLS)
 # Settings that take their keys together: from the file only when every one of them that the
 # class has is unset. A worker given its admin key by hand (the demo's, for a proxy of its own)
-# must not send that proxy the file's evaluator key.
+# must not send that proxy the file's evaluator key; a model server given its model key by hand
+# must not open its weight routes to the file's admin key while its proxy, given a backend key
+# by hand beside it, sends another (each falls back to its model key: the pair stays matched).
 TOGETHER: Final[tuple[frozenset[str], ...]] = (
     frozenset({"rollouts_admin_key", "rollouts_evaluator_key"}),
     frozenset({"proxy_api_keys", "proxy_evaluator_keys"}),
+    frozenset({"model_api_key", "model_admin_key"}),
+    frozenset({"proxy_backend_api_key", "proxy_backend_admin_key"}),
 )
 
 

@@ -207,6 +207,7 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
     run_id = f"{namespace}-run"
     admin_key = secrets.token_urlsafe(32)  # the proxy's admin key, this demo run only
     model_key = secrets.token_urlsafe(32)  # the model server's key: only the proxy holds it
+    model_admin_key = secrets.token_urlsafe(32)  # ... and of its weight routes: the proxy's too
     env = {
         "ROLLSTREAM_HOME": str(home),
         "ROLLSTREAM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
@@ -227,7 +228,10 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                 Service(
                     "model-server",
                     ["serve-model", "--port", str(model_port)],
-                    env={"ROLLSTREAM_MODEL_API_KEY": model_key},
+                    env={
+                        "ROLLSTREAM_MODEL_API_KEY": model_key,
+                        "ROLLSTREAM_MODEL_ADMIN_KEY": model_admin_key,
+                    },
                     health_url=f"http://127.0.0.1:{model_port}/health",
                 )
             )
@@ -245,6 +249,7 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                         "ROLLSTREAM_PROXY_FOLLOW_POLICY": "true",
                         "ROLLSTREAM_PROXY_API_KEYS": admin_key,
                         "ROLLSTREAM_PROXY_BACKEND_API_KEY": model_key,
+                        "ROLLSTREAM_PROXY_BACKEND_ADMIN_KEY": model_admin_key,
                     },
                     health_url=f"{proxy_url}/health",
                 )

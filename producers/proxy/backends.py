@@ -274,7 +274,9 @@ class CompletionBackend:
     (it is then not closed by ``aclose``). Pass ``lean`` (the Http1Transport under that
     client, another one, or an AiohttpPost) and ``complete`` skips httpx: its POST goes over
     ``lean``'s pooled connections, orjson both ways (http:// base URLs only; the caller closes
-    ``lean``)."""
+    ``lean``). ``api_key`` is sent as a bearer key on every request but the weight and control
+    ones (pause, resume, load_weights, collective_rpc, update_weight_version), which send
+    ``admin_key`` (the model server's admin key; unset: ``api_key``)."""
 
     def __init__(
         self,
@@ -287,6 +289,7 @@ class CompletionBackend:
         timeout_s: float = 300.0,
         api_key: str | None = None,
         lean: Http1Transport | AiohttpPost | None = None,
+        admin_key: str | None = None,
     ) -> None:
         if kind not in ("reference", "vllm"):
             raise ProxyConfigError(f"unknown backend kind {kind!r}")
@@ -295,6 +298,10 @@ class CompletionBackend:
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout_s)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # the weight and control routes' key (the model server's admin key); unset: api_key
+        self._admin_headers = (
+            {"Authorization": f"Bearer {admin_key}"} if admin_key else self._headers
+        )
         self._version = 0
         self._paused_by_caller = False
         self._lean_transport = lean
@@ -315,12 +322,21 @@ class CompletionBackend:
             await self._http.aclose()
 
     async def _request(
-        self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        admin: bool = False,
     ) -> httpx.Response:
+        """``method path`` with the backend key, or with the admin key on a weight or control
+        route (``admin``)."""
         url = f"{self.base_url}{path}"
+        headers = self._admin_headers if admin else self._headers
         try:
             response = await self._http.request(
-                method, url, json=json, params=params, headers=self._headers
+                method, url, json=json, params=params, headers=headers
             )
         except httpx.TransportError as exc:  # connect, read, write, pool, timeout
             raise BackendUnavailable(f"{method} {path}: {exc!r}", backend=self.name) from exc
@@ -666,11 +682,11 @@ class CompletionBackend:
     async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
         """Stop starting new generations (vLLM's ``POST /pause``); ``wait`` drains in-flight
         ones first, ``abort`` ends them early with finish_reason "abort"."""
-        await self._request("POST", "/pause", params={"mode": mode})
+        await self._request("POST", "/pause", params={"mode": mode}, admin=True)
         self._paused_by_caller = True
 
     async def resume(self) -> None:
-        await self._request("POST", "/resume")
+        await self._request("POST", "/resume", admin=True)
         self._paused_by_caller = False
 
     async def reload_weights(self, path: str, version: int) -> int:
@@ -678,7 +694,7 @@ class CompletionBackend:
         by the server) and make ``version`` the served policy version. Returns it."""
         if self.kind == "reference":
             data = await self._json(
-                "POST", "/v1/load_weights", json={"path": path, "version": version}
+                "POST", "/v1/load_weights", json={"path": path, "version": version}, admin=True
             )
             served = data.get("policy_version")
             if (problem := policy_version_problem(served)) is not None:
@@ -689,19 +705,19 @@ class CompletionBackend:
             return self._version
         paused_here = not self._paused_by_caller
         if paused_here:
-            await self._request("POST", "/pause", params={"mode": "wait"})
+            await self._request("POST", "/pause", params={"mode": "wait"}, admin=True)
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-            await self._request("POST", "/collective_rpc", json=rpc)
+            await self._request("POST", "/collective_rpc", json=rpc, admin=True)
             await self._request(
-                "POST", "/update_weight_version", json={"new_version": str(version)}
+                "POST", "/update_weight_version", json={"new_version": str(version)}, admin=True
             )
         except BaseException:
             if paused_here:  # resume anyway; the reload error is the one to report
                 with contextlib.suppress(BackendError):
-                    await self._request("POST", "/resume")
+                    await self._request("POST", "/resume", admin=True)
             raise
         if paused_here:
-            await self._request("POST", "/resume")
+            await self._request("POST", "/resume", admin=True)
         self._version = version
         return version

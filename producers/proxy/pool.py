@@ -174,6 +174,7 @@ class BackendPool:
         kind: BackendKind = "reference",
         model: str | None = None,
         api_key: str | None = None,
+        admin_key: str | None = None,
         timeout_s: float = 300.0,
         max_connections: int = 512,
         http_client: HttpClient = "http1",
@@ -184,7 +185,8 @@ class BackendPool:
         of the per-call POST (``ProxySettings.proxy_http_client``): ``http1`` puts the lean
         HTTP/1.1 transport (http1.py) under the httpx client too, and completions go over it
         without httpx; ``aiohttp`` sends completions with aiohttp's client; ``httpx`` sends
-        everything through httpx (httpcore)."""
+        everything through httpx (httpcore). ``api_key`` and ``admin_key``: the keys each backend
+        sends (CompletionBackend)."""
         if http_client not in ("http1", "aiohttp", "httpx"):
             raise ProxyConfigError(f"unknown http_client {http_client!r}")
         backends: list[CompletionBackend] = []
@@ -207,7 +209,14 @@ class BackendPool:
             name = url.rstrip("/").removesuffix("/v1")
             backends.append(
                 CompletionBackend(
-                    url, name, kind=kind, http=http, model=model, api_key=api_key, lean=lean
+                    url,
+                    name,
+                    kind=kind,
+                    http=http,
+                    model=model,
+                    api_key=api_key,
+                    lean=lean,
+                    admin_key=admin_key,
                 )
             )
         return cls(backends, owned_clients=owned, **kwargs)

@@ -789,6 +789,9 @@ def build_pool(settings: ProxySettings) -> BackendPool:
         kind=s.proxy_backend_kind,
         model=s.proxy_backend_model,
         api_key=s.proxy_backend_api_key.get_secret_value() if s.proxy_backend_api_key else None,
+        admin_key=(
+            s.proxy_backend_admin_key.get_secret_value() if s.proxy_backend_admin_key else None
+        ),
         timeout_s=s.proxy_backend_timeout_s,
         http_client=s.proxy_http_client,
         health_interval_s=s.proxy_health_interval_s,

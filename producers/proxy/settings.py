@@ -44,7 +44,10 @@ class ProxySettings(RecorderSettings):
     )
     proxy_backend_kind: Literal["reference", "vllm"] = "reference"
     proxy_backend_model: str | None = None  # the model name sent to the backends
-    proxy_backend_api_key: SecretStr | None = None
+    proxy_backend_api_key: SecretStr | None = None  # bearer key sent to the backends
+    # sent instead on the weight and control routes (load_weights, pause, resume, collective_rpc,
+    # update_weight_version: the model server's model_admin_key); unset: proxy_backend_api_key
+    proxy_backend_admin_key: SecretStr | None = None  # bearer key of the backends' weight routes
     # how replies' tool calls are read: auto = chosen by the model's chat template (tool_formats.py)
     proxy_tool_format: ToolFormatSetting = "auto"
     proxy_backend_timeout_s: float = 300.0

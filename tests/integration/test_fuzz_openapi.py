@@ -41,6 +41,7 @@ from rollstream.schemas import Event, RolloutFinished, RolloutStarted
 pytestmark = pytest.mark.integration
 
 ADMIN, ANALYST, MODEL_KEY = "fuzz-admin-key", "fuzz-analyst-key", "fuzz-model-key"
+MODEL_ADMIN = "fuzz-model-admin-key"  # the model server's weight routes (the proxy sends it)
 EXAMPLES = 6  # generated requests per operation, beside its schema examples
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -103,6 +104,7 @@ def stack(kafka: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "ROLLSTREAM_MODEL_PORT": str(model_port),
         "ROLLSTREAM_MODEL_CREATE": "false",
         "ROLLSTREAM_MODEL_API_KEY": MODEL_KEY,
+        "ROLLSTREAM_MODEL_ADMIN_KEY": MODEL_ADMIN,
     }
     proxy_env = {
         "ROLLSTREAM_PROXY_PORT": str(proxy_port),
@@ -111,6 +113,7 @@ def stack(kafka: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "ROLLSTREAM_PROXY_API_KEYS": ADMIN,
         "ROLLSTREAM_PROXY_TOKEN_SECRET": TOKEN_SECRET,
         "ROLLSTREAM_PROXY_BACKEND_API_KEY": MODEL_KEY,
+        "ROLLSTREAM_PROXY_BACKEND_ADMIN_KEY": MODEL_ADMIN,
         "ROLLSTREAM_PROXY_HEALTH_INTERVAL_S": "0.5",
         "ROLLSTREAM_SPOOL_DIR": str(tmp / "spool"),
         "ROLLSTREAM_PRODUCER": "proxy-fuzz-it",
@@ -257,15 +260,22 @@ def test_proxy_wants_credentials_where_it_says(case: Any, proxy_url: str) -> Non
 
 
 MODEL_AUTH = {"Authorization": f"Bearer {MODEL_KEY}"}
+MODEL_ADMIN_AUTH = {"Authorization": f"Bearer {MODEL_ADMIN}"}
+
+
+def _model_auth(case: Any) -> dict[str, str]:
+    """The model key where the operation takes it, else the admin key (the weight routes)."""
+    schemes = {name for alt in _security(case) for name in alt}
+    return MODEL_AUTH if "modelKey" in schemes else MODEL_ADMIN_AUTH
 
 
 @model.parametrize()
 @FUZZ
 def test_model_server_fuzz_has_no_server_errors(case: Any, model_url: str) -> None:
-    case.headers = {**(case.headers or {}), **MODEL_AUTH}
+    case.headers = {**(case.headers or {}), **_model_auth(case)}
     response = case.call(base_url=model_url, timeout=60)
     if case.formatted_path == "/pause":  # paused, completions would queue until resumed
-        httpx.post(f"{model_url}/resume", headers=MODEL_AUTH)
+        httpx.post(f"{model_url}/resume", headers=MODEL_ADMIN_AUTH)
     _check(case, response)
 
 
@@ -274,7 +284,10 @@ def test_model_server_fuzz_has_no_server_errors(case: Any, model_url: str) -> No
 def test_model_server_wants_its_key_where_it_says(case: Any, model_url: str) -> None:
     if not _requires_key(case) or case.formatted_path == "/metrics":  # no metrics_key set here
         return
-    for auth in (None, "Bearer wrong-key", MODEL_KEY):
+    wrong = [None, "Bearer wrong-key", MODEL_KEY]
+    if _security(case) == [{"adminKey": []}]:  # a weight route: the model key does not open it
+        wrong.append(f"Bearer {MODEL_KEY}")
+    for auth in wrong:
         headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
         if auth is not None:
             headers["Authorization"] = auth
@@ -296,7 +309,8 @@ def test_model_server_wants_its_key_where_it_says(case: Any, model_url: str) -> 
 def test_model_server_inputs_the_fuzz_found_are_400s(
     model_url: str, path: str, body: bytes, param: str | None
 ) -> None:
-    r = httpx.post(f"{model_url}{path}", content=body, headers=MODEL_AUTH, timeout=30)
+    headers = MODEL_AUTH if path == "/v1/completions" else MODEL_ADMIN_AUTH
+    r = httpx.post(f"{model_url}{path}", content=body, headers=headers, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 

@@ -2,7 +2,8 @@
 0600, its path shown, never a key) once; the model server, the proxy and the sink's analytics
 server, started with nothing but that home (and their broker, namespace, ports and model), then
 answer 401 without a key and 200 with the one ``rollstream keys show ROLE`` prints -- the proxy
-reaches the model server with the file's model key, ``rollstream report`` sends the analyst key.
+reaches the model server with the file's model key (and its weight routes, which the model key
+does not open, with the admin key), ``rollstream report`` sends the analyst key.
 ``rollstream up --insecure`` makes no keys, says so loudly, and the services of its home are
 open (and say so in their logs)."""
 
@@ -162,12 +163,19 @@ def test_up_makes_the_keys_and_every_service_requires_them(secure: Up, model_dir
         wait_healthy(proxy_url, proxy)  # healthy: its probe of the model server got through
         sink.wait_ready(assigned=False)
 
-        # the model server: the model key (the proxy's), nobody else's
+        # the model server: the model key (the proxy's), nobody else's; its weight routes the
+        # admin key only (the proxy sends it there), not the model key
         for route in ("/v1/models", "/is_paused", "/weight_info"):
             assert _status("GET", model_url + route) == 401, route
             assert _status("GET", model_url + route, keys["analyst"]) == 401, route
             assert _status("GET", model_url + route, keys["model"]) == 200, route
         assert _status("POST", model_url + "/pause") == 401
+        load = {"path": str(model_dir / "nowhere"), "version": 1}
+        for role in (None, "model", "analyst", "evaluator"):
+            key = keys[role] if role else None
+            assert _status("POST", model_url + "/v1/load_weights", key, json=load) == 401, role
+            assert _status("POST", model_url + "/pause", key) == 401, role
+        assert _status("POST", model_url + "/v1/load_weights", keys["admin"], json=load) == 400
 
         # the proxy: its admin routes and rollout creation take the admin key
         status = proxy_url + "/v1/admin/status"
@@ -192,6 +200,20 @@ def test_up_makes_the_keys_and_every_service_requires_them(secure: Up, model_dir
             timeout=120,
         )
         assert chat.status_code == 200, chat.text
+        update = httpx.post(  # the proxy reloads the model server with the file's admin key
+            proxy_url + "/v1/admin/update_weights",
+            json={"path": str(model_dir), "version": 1},
+            headers={"Authorization": f"Bearer {keys['admin']}"},
+            timeout=120,
+        )
+        assert update.status_code == 200, update.text
+        assert (update.json()["reloaded"], update.json()["failed"]) == (1, {}), update.text
+        served = httpx.get(
+            model_url + "/v1/policy_version",
+            headers={"Authorization": f"Bearer {keys['model']}"},
+            timeout=60,
+        )
+        assert served.json()["policy_version"] == 1, served.text
         assert _status("GET", proxy_url + "/metrics") == 401
         assert _status("GET", proxy_url + "/metrics", keys["admin"]) == 401
         assert _status("GET", proxy_url + "/metrics", keys["metrics"]) == 200

@@ -186,8 +186,11 @@ def test_the_unset_key_settings_of_every_service_are_filled(
     assert _secrets(proxy.proxy_api_keys) == [keyed["admin"]]
     assert _secrets(proxy.proxy_evaluator_keys) == [keyed["evaluator"]]
     assert _secrets(proxy.proxy_backend_api_key) == keyed["model"]
+    assert _secrets(proxy.proxy_backend_admin_key) == keyed["admin"]
     assert _secrets(proxy.metrics_key) == keyed["metrics"]
-    assert _secrets(ModelServerSettings(home=home).model_api_key) == keyed["model"]
+    model = ModelServerSettings(home=home)
+    assert _secrets(model.model_api_key) == keyed["model"]
+    assert _secrets(model.model_admin_key) == keyed["admin"]
     sink = SinkServiceSettings(home=home)
     assert _secrets(sink.analytics_api_keys) == [keyed["analyst"], keyed["admin"]]
     assert _secrets(ReportSettings(home=home).analytics_api_key) == keyed["analyst"]
@@ -238,6 +241,36 @@ def test_a_workers_admin_key_by_hand_keeps_the_files_evaluator_key_out(
     assert _secrets(workers.metrics_key) == keyed["metrics"]  # not of that group
 
 
+def test_a_model_key_by_hand_keeps_the_files_admin_key_off_the_weight_routes(
+    home: Path, keyed: dict[str, str]
+) -> None:
+    """The demo gives its model server and proxy a model key of their own: the server must not
+    open its weight routes to the file's admin key while the proxy sends another (both fall
+    back to their model key, which match)."""
+    model = ModelServerSettings(home=home, model_api_key="demo-model")
+    assert _secrets(model.model_api_key) == "demo-model" and model.model_admin_key is None
+    proxy = ProxySettings(home=home, proxy_backend_api_key="demo-model")
+    assert proxy.proxy_backend_admin_key is None
+    assert _secrets(proxy.proxy_api_keys) == [keyed["admin"]]  # not of that group
+    both = ModelServerSettings(home=home, model_api_key="m", model_admin_key="a")
+    assert (_secrets(both.model_api_key), _secrets(both.model_admin_key)) == ("m", "a")
+    admin_only = ProxySettings(home=home, proxy_backend_admin_key="a")  # the model key too
+    assert admin_only.proxy_backend_api_key is None
+
+
+def test_the_admin_role_fills_the_model_servers_weight_routes_pairwise() -> None:
+    ring = new_keys(lambda: "w" * 43)
+    admin, model = ring.get("admin"), ring.get("model")
+    unset = {"model_api_key": None, "model_admin_key": None}
+    assert fills(ring, unset) == {"model_api_key": model, "model_admin_key": admin}
+    assert fills(ring, {**unset, "model_api_key": SecretStr("x")}) == {}
+    backend = {"proxy_backend_api_key": None, "proxy_backend_admin_key": SecretStr("")}
+    assert fills(ring, backend) == {
+        "proxy_backend_api_key": model,
+        "proxy_backend_admin_key": admin,
+    }
+
+
 def test_insecure_fills_nothing_and_reads_no_file(
     home: Path, keyed: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -246,6 +279,8 @@ def test_insecure_fills_nothing_and_reads_no_file(
     assert proxy.insecure and proxy.proxy_api_keys == [] and proxy.proxy_backend_api_key is None
     assert proxy.metrics_key is None
     assert ModelServerSettings(home=home).model_api_key is None
+    assert ModelServerSettings(home=home).model_admin_key is None
+    assert proxy.proxy_backend_admin_key is None
     assert SinkServiceSettings(home=home).analytics_api_keys == []
     key_path(home).chmod(0o644)  # not read at all
     assert RolloutSettings(home=home).rollouts_admin_key is None

@@ -4,12 +4,15 @@ HTTP, raw and through the backend adapter (kind="reference" and kind="vllm")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -50,15 +53,11 @@ class Server:
     tmp: Path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def _serving(settings: ModelServerSettings) -> Iterator[str]:
+    """``create_app(settings)`` under uvicorn on ``settings.model_port``; yields its URL."""
     threads = torch.get_num_threads()
-    tmp = tmp_path_factory.mktemp("model_server")
-    model_path = make_tiny_model(tmp / "tiny", seed=0, hidden=64)
-    port = _free_port()
-    settings = ModelServerSettings(
-        model_path=model_path, model_port=port, model_create=False, home=tmp / "home"
-    )
+    port = settings.model_port
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="error")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -67,10 +66,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
-    yield Server(f"http://127.0.0.1:{port}", model_path, tmp)
-    srv.should_exit = True
-    thread.join(timeout=30)
-    torch.set_num_threads(threads)  # the server set 1 for the whole process
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        torch.set_num_threads(threads)  # the server set 1 for the whole process
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("model_server")
+    model_path = make_tiny_model(tmp / "tiny", seed=0, hidden=64)
+    settings = ModelServerSettings(
+        model_path=model_path, model_port=_free_port(), model_create=False, home=tmp / "home"
+    )
+    with _serving(settings) as url:
+        yield Server(url, model_path, tmp)
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -342,7 +354,39 @@ def test_every_inference_error_has_the_one_root() -> None:
     assert {c.__name__ for c in found} >= {"TinyModelError", "CheckpointError", "RequestRefused"}
 
 
-def test_an_api_key_guards_every_route_but_health(server: Server) -> None:
+MODEL_KEY, ADMIN_KEY = "model-key", "admin-key"
+Call = tuple[str, str, dict[str, Any] | None]  # method, path, JSON body
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RPC = {"method": "reload_weights", "kwargs": {"weights_path": "/nowhere"}}
+# generation and the read-only routes: the model key (or the admin key)
+GENERATION_ROUTES: list[Call] = [
+    ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/policy_version", None),
+    ("GET", "/v1/load", None),
+    ("GET", "/is_paused", None),
+    ("GET", "/weight_info", None),
+]
+# the weight and control routes: the admin key only; the status it gets (400: reached, bad path)
+WEIGHT_ROUTES: list[tuple[str, str, dict[str, Any] | None, int]] = [
+    ("POST", "/v1/load_weights", {"path": "/nowhere", "version": 1}, 400),
+    ("POST", "/pause", None, 200),
+    ("POST", "/resume", None, 200),
+    ("POST", "/collective_rpc", RPC, 400),
+    ("POST", "/update_weight_version", {"new_version": "0"}, 200),
+]
+NO_KEYS: tuple[dict[str, Any], ...] = (
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": "Basic model-key"},
+)
+
+
+@contextlib.contextmanager
+def _keyed(server: Server, caplog: pytest.LogCaptureFixture, **keys: str) -> Iterator[Any]:
+    """A TestClient of a server with ``keys`` (model_api_key, model_admin_key); the warnings
+    its start logged are in ``_warnings(caplog)``."""
     from pydantic import SecretStr
     from starlette.testclient import TestClient
 
@@ -350,25 +394,167 @@ def test_an_api_key_guards_every_route_but_health(server: Server) -> None:
         model_path=server.model_path,
         model_create=False,
         home=server.tmp / "home-keyed",
-        model_api_key=SecretStr("model-key"),
+        **{name: SecretStr(value) for name, value in keys.items()},
     )
-    with TestClient(create_app(settings)) as client:
+    with caplog.at_level(logging.WARNING, "rollstream.inference.server"):
+        app = create_app(settings)
+    with TestClient(app) as client:
+        yield client
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "rollstream.inference.server"]
+
+
+def _bearer(key: str) -> dict[str, Any]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _refused(r: httpx.Response) -> bool:
+    """401 with vLLM's error body."""
+    return r.status_code == 401 and set(r.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_the_model_key_opens_generation_and_only_the_admin_key_the_weight_routes(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _keyed(server, caplog, model_api_key=MODEL_KEY, model_admin_key=ADMIN_KEY) as client:
+        assert not _warnings(caplog)  # both keys set: nothing to warn about
         assert client.get("/health").status_code == 200
-        body = {"prompt": PROMPT, "max_tokens": 2}
-        for method, path, payload in [
-            ("POST", "/v1/completions", body),
-            ("GET", "/v1/models", None),
-            ("POST", "/v1/load_weights", {"path": "/nowhere", "version": 1}),
-            ("POST", "/pause", None),
-            ("POST", "/update_weight_version", {"new_version": "7"}),
-        ]:
-            latin = "Bearer k\xe9".encode("latin-1")  # a non-ASCII key: 401, not 500
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": latin}):
-                r = client.request(method, path, json=payload, headers=headers)
-                assert r.status_code == 401, (path, headers, r.text)
-        ok = {"Authorization": "Bearer model-key"}
-        assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
-        assert client.get("/weight_info", headers=ok).json()["weight_version"] == "0"
+        latin: dict[str, Any] = {
+            "Authorization": "Bearer k\xe9".encode("latin-1")
+        }  # non-ASCII: 401, not 500
+        for method, path, body in GENERATION_ROUTES:
+            for headers in (*NO_KEYS, latin):
+                r = client.request(method, path, json=body, headers=headers)
+                assert _refused(r), (path, headers, r.text)
+            for key in (MODEL_KEY, ADMIN_KEY):  # the admin key: an operator checking it
+                r = client.request(method, path, json=body, headers=_bearer(key))
+                assert r.status_code == 200, (path, key, r.text)
+        for method, path, body, reached in WEIGHT_ROUTES:
+            for headers in (*NO_KEYS, latin, _bearer(MODEL_KEY)):
+                r = client.request(method, path, json=body, headers=headers)
+                assert _refused(r), (path, headers, r.text)
+                assert "admin key" in r.json()["error"]["message"]
+            r = client.request(method, path, json=body, headers=_bearer(ADMIN_KEY))
+            assert r.status_code == reached, (path, r.text)
+        assert client.get("/is_paused", headers=_bearer(MODEL_KEY)).json() == {"is_paused": False}
+
+
+def test_without_an_admin_key_the_weight_routes_take_the_model_key_and_it_warns(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _keyed(server, caplog, model_api_key=MODEL_KEY) as client:
+        warned = _warnings(caplog)
+        assert len(warned) == 1 and "no model_admin_key set" in warned[0], warned
+        assert "ROLLSTREAM_MODEL_ADMIN_KEY" in warned[0] and "!!!" not in warned[0]
+        for method, path, body, reached in WEIGHT_ROUTES:
+            for headers in NO_KEYS:
+                assert _refused(client.request(method, path, json=body, headers=headers)), path
+            r = client.request(method, path, json=body, headers=_bearer(MODEL_KEY))
+            assert r.status_code == reached, (path, r.text)
+        for method, path, body in GENERATION_ROUTES:
+            r = client.request(method, path, json=body, headers=_bearer(MODEL_KEY))
+            assert r.status_code == 200, (path, r.text)
+
+
+def test_an_admin_key_alone_closes_the_weight_routes_and_leaves_generation_open(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _keyed(server, caplog, model_admin_key=ADMIN_KEY) as client:
+        warned = _warnings(caplog)
+        assert len(warned) == 1 and "no model_api_key set" in warned[0], warned
+        for method, path, body in GENERATION_ROUTES:
+            assert client.request(method, path, json=body).status_code == 200, path
+        for method, path, body, reached in WEIGHT_ROUTES:
+            assert _refused(client.request(method, path, json=body)), path
+            r = client.request(method, path, json=body, headers=_bearer(ADMIN_KEY))
+            assert r.status_code == reached, (path, r.text)
+
+
+def test_without_keys_everything_is_open_and_it_warns_loudly(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _keyed(server, caplog) as client:
+        warned = _warnings(caplog)
+        assert len(warned) == 1 and warned[0].startswith("!!! no model_api_key set"), warned
+        for method, path, body, reached in WEIGHT_ROUTES:
+            assert client.request(method, path, json=body).status_code == reached, path
+
+
+def test_the_document_names_each_routes_key() -> None:
+    from rollstream.inference.openapi import OPENAPI
+    from rollstream.inference.server import ADMIN_ROUTES, OPEN_ROUTES, route_keys
+
+    assert {path for _, path, _, _ in WEIGHT_ROUTES} == ADMIN_ROUTES
+    for path, ops in OPENAPI["paths"].items():
+        (op,) = ops.values()
+        security = op.get("security")
+        if path in ADMIN_ROUTES:
+            assert security == [{"adminKey": []}], path
+        elif path in {p for _, p, _ in GENERATION_ROUTES}:
+            assert security == [{"modelKey": []}, {"adminKey": []}], path
+        elif path in OPEN_ROUTES:
+            assert security is None, path
+    m, a = b"m", b"a"
+    assert route_keys("/pause", m, a) == (a,) and route_keys("/pause", m, None) == (m,)
+    assert route_keys("/pause", None, None) is None and route_keys("/pause", None, a) == (a,)
+    assert route_keys("/v1/completions", m, a) == (m, a)
+    assert route_keys("/v1/completions", None, a) is None
+    assert route_keys("/health", m, a) is None
+
+
+@pytest.fixture(scope="module")
+def keyed_url(server: Server) -> Iterator[str]:
+    """A second real server, with a model key and an admin key."""
+    from pydantic import SecretStr
+
+    settings = ModelServerSettings(
+        model_path=server.model_path,
+        model_port=_free_port(),
+        model_create=False,
+        home=server.tmp / "home-keyed-http",
+        model_api_key=SecretStr(MODEL_KEY),
+        model_admin_key=SecretStr(ADMIN_KEY),
+    )
+    with _serving(settings) as url:
+        yield url
+
+
+@pytest.mark.parametrize("kind", ["reference", "vllm"])
+def test_the_backend_sends_the_admin_key_to_the_weight_routes_and_the_model_key_elsewhere(
+    keyed_url: str, server: Server, kind: str
+) -> None:
+    """What the proxy's backends send, against a keyed server: the admin key reaches the weight
+    routes (the model key alone gets 401 there), the model key generation (a backend whose
+    model key is wrong cannot generate even with the right admin key)."""
+
+    def backend(api_key: str, admin_key: str | None) -> CompletionBackend:
+        return CompletionBackend(keyed_url, kind, kind=kind, api_key=api_key, admin_key=admin_key)
+
+    async def main() -> None:
+        async with backend(MODEL_KEY, ADMIN_KEY) as b:
+            version = await b.policy_version()
+            assert len((await b.complete(PROMPT, max_tokens=2, seed=1)).token_ids) >= 1
+            assert await b.reload_weights(str(server.model_path), version + 1) == version + 1
+            await b.pause("wait")
+            await b.resume()
+        async with backend(MODEL_KEY, None) as b:  # no admin key: the model key, refused
+            with pytest.raises(BackendRejected) as err:
+                await b.reload_weights(str(server.model_path), version + 2)
+            assert err.value.status == 401
+            with pytest.raises(BackendRejected):
+                await b.pause("wait")
+        async with backend("wrong", ADMIN_KEY) as b:
+            with pytest.raises(BackendRejected) as err:
+                await b.complete(PROMPT, max_tokens=2, seed=1)
+            assert err.value.status == 401
+            assert await b.reload_weights(str(server.model_path), version + 2) == version + 2
+        assert httpx.get(f"{keyed_url}/is_paused", headers=_bearer(MODEL_KEY)).json() == {
+            "is_paused": False
+        }
+
+    run(main())
 
 
 def test_sampling_numbers_are_finite_and_bounded() -> None:
