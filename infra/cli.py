@@ -86,8 +86,14 @@ def cmd_keys(args: argparse.Namespace, settings: Any) -> int:
     from rollstream.infra import keys
 
     path = keys.key_path(settings.home)
-    if (args.role is None) == (args.action == "show"):
-        _say(f"error: `keys {args.action}` takes {'a role' if args.role is None else 'no role'}")
+    takes = {"show": "a role", "job-token": "a job id"}.get(args.action)
+    if (args.target is None) == (takes is not None):
+        _say(f"error: `keys {args.action}` takes {takes or 'no argument'}")
+        return 2
+    if args.action == "job-token":
+        return _job_token(settings, args.target, args.proxy_url)
+    if args.action == "show" and args.target not in KEY_ROLES:
+        _say(f"error: `keys show`: no role {args.target!r} (one of {', '.join(KEY_ROLES)})")
         return 2
     if args.action == "path":
         print(path)
@@ -96,7 +102,39 @@ def cmd_keys(args: argparse.Namespace, settings: Any) -> int:
         path, created = keys.create_keys(settings.home)
         _say(f"keys: {'created' if created else 'kept'} {path}")
         return 0
-    print(keys.read_keys(settings.home).get(args.role).get_secret_value())
+    print(keys.read_keys(settings.home).get(args.target).get_secret_value())
+    return 0
+
+
+def _job_token(settings: Any, job_id: str, proxy_url: str | None) -> int:
+    """Print the job's evaluator token, asked of the proxy with the home's evaluator key (the
+    stage workers' settings: ``rollouts_evaluator_key``, unset: ``rollouts_admin_key``)."""
+    import httpx
+
+    from rollstream.producers.proxy.job_tokens import job_id_problem
+    from rollstream.producers.rollouts.settings import RolloutSettings
+
+    problem = job_id_problem(job_id)
+    if problem is not None:
+        _say(f"error: {problem}")
+        return 2
+    workers = RolloutSettings(home=settings.home, insecure=settings.insecure)
+    url = (proxy_url or workers.rollouts_proxy_url).rstrip("/")
+    key = workers.rollouts_evaluator_key or workers.rollouts_admin_key
+    headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+    try:
+        answer = httpx.post(f"{url}/v1/jobs/{job_id}/evaluator-token", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        _say(f"error: no answer from the proxy at {url}: {type(exc).__name__}: {exc}")
+        return 1
+    try:
+        token = answer.json()["token"] if answer.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        token = None
+    if not isinstance(token, str):
+        _say(f"error: the proxy at {url} answered {answer.status_code}: {answer.text[:500]}")
+        return 1
+    print(token)
     return 0
 
 
@@ -506,16 +544,23 @@ _COMMANDS = (
     ),
     Command(
         "keys",
-        "the home's keys (<home>/keys.json): print one role's key, the file's path, or create it",
+        "the home's keys (<home>/keys.json): print one role's key, the file's path, or create "
+        "it; job-token: a job's evaluator token from the proxy (asked with the evaluator key)",
         "rollstream.schemas.settings:CommonSettings",
         "cli",
         (
-            flag("action", help="what to do", choices=("show", "path", "create")),
+            flag("action", help="what to do", choices=("show", "path", "create", "job-token")),
             flag(
-                "role",
-                help="show: whose key",
+                "target",
+                help=f"show: whose key ({', '.join(KEY_ROLES)}); job-token: the job id",
                 nargs="?",
-                choices=KEY_ROLES,
+                metavar="ROLE|JOB_ID",
+            ),
+            flag(
+                "--proxy-url",
+                help="job-token: the recording proxy's URL (default: the stage workers' "
+                "ROLLSTREAM_ROLLOUTS_PROXY_URL, http://127.0.0.1:8200)",
+                metavar="URL",
             ),
         ),
         cmd_keys,

@@ -12,6 +12,7 @@ answer (openai_wire).
     chat_template.py the model's template, tokens   pool.py        sticky routing, failover
     backends.py      a backend's completion API     http1.py       the lean HTTP/1.1 client
     policy_watch.py  policy.versions -> weight updates (dead letters for bad records)
+    job_tokens.py    job evaluator tokens           jobs_api.py    /v1/jobs routes
 
 ``service`` knows no HTTP framework; only ``app`` imports Starlette and uvicorn. Errors:
 rollstream.producers.errors."""

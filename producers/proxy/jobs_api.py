@@ -7,6 +7,15 @@ service's queue through the proxy (rollouts/jobqueue.py does the Kafka side):
     GET  /v1/jobs/{job_id}   admin key  -> the job's status (rollouts/jobstatus.py JobStatus),
                                         with "training": its samples trained and dropped
                                         (stale, duplicate, skipped) and rollouts wasted
+    POST /v1/jobs/{job_id}/evaluator-token
+                             admin or   -> {job_id, token}: the job's evaluator token
+                             evaluator  (job_tokens.py), for an evaluator that should score and
+                             key        finish that job's rollouts only (rollout_api.py)
+
+The evaluator-token route asks no queue: both keys that may call it open every job's rollouts
+already, and a token of a job not submitted (yet) opens no rollout until one is created with
+that ``job_id`` in its metadata. A bad job id is a 400 naming ``job_id`` (after the key check:
+a caller without a key learns nothing about ids).
 
 A spec that cannot be used is a 400 whose ``param`` is the path of the bad value
 (``agent.max_turns``); ``tasks.path`` is refused (400, param ``tasks.path``): files on the
@@ -32,6 +41,7 @@ from rollstream.producers.errors import (
     JobQueueError,
     JobSpecError,
 )
+from rollstream.producers.proxy.job_tokens import job_id_problem
 from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, json_answer
 from rollstream.producers.proxy.rollout_api import Auth
 from rollstream.producers.proxy.settings import ProxySettings
@@ -112,3 +122,12 @@ class JobsApi:
         except JobQueueError as exc:
             raise ApiError(503, str(exc), code="job_queue_unavailable") from exc
         return json_answer(status.to_json())
+
+    async def evaluator_token(self, request: HttpRequest) -> Answer:
+        """The job's evaluator token (module docstring) for the admin or an evaluator key."""
+        self.auth.evaluator_or_admin(request.token)
+        job_id = request.path["job_id"]
+        problem = job_id_problem(job_id)
+        if problem is not None:
+            raise ApiError(400, problem, code="invalid_value", param="job_id")
+        return json_answer({"job_id": job_id, "token": self.auth.tokens.jobs.issue(job_id)})

@@ -1,5 +1,6 @@
 """The OpenAPI 3.1 document of the recording proxy (``GET /openapi.json``): every route, its
-request body schema, its security (a rollout token or an admin key) and its error answers."""
+request body schema, its security (a rollout token, an admin key or a job evaluator token) and
+its error answers."""
 
 from __future__ import annotations
 
@@ -103,7 +104,9 @@ _JOB = _schema("tasks agent", job_id=_S, tasks=_OBJ, samples_per_task=_I, agent=
 # a rollout token's requests may be rate-limited (429); the admin key's are not
 _CALL, _ROLL, _ADMIN = "400 401 403 404 409 413 429 502 503", "400 401 403 404 409 429", "401"
 
-# (path, method, summary, security, request body schema, error statuses)
+# the evaluator routes: a rollout's own token, an admin or evaluator key, or its job's token
+_EVAL = "rolloutToken jobToken"
+# (path, method, summary, security (alternatives), request body schema, error statuses)
 _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/rollouts/{rollout_id}/v1/chat/completions", "post", "chat completion, recorded",
      "rolloutToken", _CHAT, _CALL),
@@ -127,19 +130,17 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/models", "get", "the served model", None, None, ""),
     ("/v1/rollouts", "post", "create a rollout -> base_url + token", "adminKey", _ROLLOUT,
      "400 401 409"),
-    ("/v1/rollouts/{rollout_id}", "get", "rollout status", "rolloutToken", None, _ROLL),
-    ("/v1/rollouts/{rollout_id}/rewards", "post", "record rewards", "rolloutToken", _REWARDS,
-     _ROLL),
+    ("/v1/rollouts/{rollout_id}", "get", "rollout status", _EVAL, None, _ROLL),
+    ("/v1/rollouts/{rollout_id}/rewards", "post", "record rewards", _EVAL, _REWARDS, _ROLL),
     ("/v1/rollouts/{rollout_id}/tool_calls", "post", "record a tool call the harness ran",
      "rolloutToken", _TOOL, _ROLL),
     ("/v1/rollouts/{rollout_id}/branches", "post",
      "record an explicit branch point (201 {branch_id}); the next call continuing "
      "source_call_id is recorded under it", "rolloutToken", _BRANCH, _ROLL),
-    ("/v1/rollouts/{rollout_id}/finish", "post", "finish a rollout", "rolloutToken", _FINISH,
-     _ROLL),
+    ("/v1/rollouts/{rollout_id}/finish", "post", "finish a rollout", _EVAL, _FINISH, _ROLL),
     ("/v1/rollouts/{rollout_id}/events", "post",
-     "record lifecycle facts (stage, sandbox, evaluator output)", "adminKey", _LIFECYCLE,
-     "400 401 403 404 409"),
+     "record lifecycle facts (stage, sandbox, evaluator output)", "adminKey jobToken",
+     _LIFECYCLE, "400 401 403 404 409"),
     ("/v1/traces", "post",
      "OTLP/HTTP trace export (ExportTraceServiceRequest, application/x-protobuf or "
      "application/json): GenAI spans become rollout events", "adminKey", _OTLP,
@@ -149,6 +150,10 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/jobs", "get", "the submitted jobs", "adminKey", None, "401 503"),
     ("/v1/jobs/{job_id}", "get", "where a job stands: stages, rollouts, totals", "adminKey",
      None, "400 401 404 503"),
+    ("/v1/jobs/{job_id}/evaluator-token", "post",
+     "the job's evaluator token {job_id, token} (admin or evaluator key): it scores, finishes, "
+     "reads and posts lifecycle events of that job's rollouts only", "adminKey", None,
+     "400 401"),
     ("/v1/admin/pause", "post", "hold new model calls (?drain=true also waits for in-flight)",
      "adminKey", None, _ADMIN),
     ("/v1/admin/drain", "post", "wait for in-flight calls (?timeout=seconds)", "adminKey", None,
@@ -190,7 +195,8 @@ def _openapi() -> dict[str, Any]:
                 "content": {"application/json": {"schema": body}},
             }
         if security:
-            op["security"] = [{security: []}, {"rolloutKey": []}] if anthropic else [{security: []}]
+            alternatives: list[dict[str, Any]] = [{n: []} for n in security.split()]
+            op["security"] = [*alternatives, {"rolloutKey": []}] if anthropic else alternatives
         paths.setdefault(path, {})[method] = op
     err_fields = {"message": _S, "type": _S, "param": {"type": ["string", "null"]},
                   "code": {"type": ["string", "null"]}}  # fmt: skip
@@ -216,6 +222,12 @@ def _openapi() -> dict[str, Any]:
                     "description": "rs1.<rollout_id>.<signature>",
                 },
                 "adminKey": {"type": "http", "scheme": "bearer"},
+                "jobToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "rs1j.<job_id>.<signature>: opens the evaluator routes of "
+                    "the rollouts created with that job_id in their metadata",
+                },
                 "rolloutKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             },
             "schemas": {

@@ -73,7 +73,7 @@ __all__ = [
 MODEL_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
 TOOL_OPERATION = "execute_tool"
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
-_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_\-]{1,128}")
 _U32_MAX = 2**32 - 1
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
@@ -491,7 +491,7 @@ def map_request(request: ExportTraceServiceRequest, limits: OtlpLimits | None = 
             continue
         resource = items[0][2]
         trace = _trace(trace_id, [a for _, a, _ in items], resource, limits)
-        if not _ROLLOUT_ID.match(trace.rollout_id):
+        if not _ROLLOUT_ID.fullmatch(trace.rollout_id):  # match() took a trailing newline
             reason = f"rollstream.rollout_id {trace.rollout_id!r}: [A-Za-z0-9_-]{{1,128}}"
             decoded.reject(reason, limits, len(items))
             continue

@@ -29,6 +29,16 @@ Tokens: ``rs1.<rollout_id>.<sig>`` with sig = base64url(HMAC-SHA256(secret, roll
 token opens only the rollout named in it: a bad signature is 401, a good token used on another
 rollout's URL is 403. Admin keys (``proxy_api_keys``) open everything; with no admin key set the
 admin routes are open (local use) and a warning is logged at start. Secrets are never logged.
+
+Evaluators: an evaluator key (``proxy_evaluator_keys``) opens the evaluator routes of every
+rollout: read (GET), rewards (final ones too), finish and lifecycle events; nothing else (401).
+A job evaluator token (job_tokens.py, ``rs1j.<job_id>.<sig>``, minted by jobs_api.py's
+``POST /v1/jobs/{job_id}/evaluator-token``) opens the same routes of the rollouts whose
+creation metadata holds ``job_id`` = its job; on another job's rollout or one without a
+``job_id`` it is 403 naming ``rollout_id``, elsewhere 401. The registry remembers the job of
+the open and the recently finished rollouts (``keep_finished``), so a finish retried after the
+rollout ended is still answered. Neither is rate-limited.
+
 Every request a rollout token opens (its model calls and these routes) takes a token from its
 rollout's bucket (``Auth.limiter``, ratelimit.py): over the rate, 429 ``rate_limit_exceeded``
 with ``Retry-After``, before the body is read; admin keys are not limited.
@@ -64,6 +74,7 @@ from ulid import ULID
 from rollstream.adapters.auth import key_matches
 from rollstream.producers.errors import ApiError, ProxyConfigError
 from rollstream.producers.proxy.chat import ChatMemory
+from rollstream.producers.proxy.job_tokens import JobTokens
 from rollstream.producers.proxy.lifecycle import parse_lifecycle
 from rollstream.producers.proxy.openai_wire import (
     BRANCH_ID_PATTERN,
@@ -104,7 +115,8 @@ FINAL_REWARDS = ("evaluator", "harness")
 
 
 class RolloutTokens:
-    """Issues and checks rollout-scoped bearer tokens (HMAC of the rollout id)."""
+    """Issues and checks rollout-scoped bearer tokens (HMAC of the rollout id); ``jobs``: the
+    job evaluator tokens (job_tokens.py) of the same secret."""
 
     PREFIX = "rs1."
 
@@ -113,6 +125,7 @@ class RolloutTokens:
             raise ProxyConfigError("the rollout token secret must be at least 16 bytes")
         self._secret = secret
         self._valid: dict[str, str] = {}  # tokens checked already -> their rollout id
+        self.jobs = JobTokens(secret)
 
     def _sig(self, rollout_id: str) -> str:
         mac = hmac.new(self._secret, rollout_id.encode(), hashlib.sha256).digest()
@@ -130,7 +143,7 @@ class RolloutTokens:
         if not token.isascii() or not token.startswith(self.PREFIX):
             return None  # a non-ASCII token is no token of ours (and hmac cannot compare it)
         rollout_id, dot, sig = token[len(self.PREFIX) :].rpartition(".")
-        if not dot or not rollout_id:
+        if not dot or not ROLLOUT_ID.fullmatch(rollout_id):  # only ids of rollouts are signed
             return None
         if not hmac.compare_digest(sig, self._sig(rollout_id)):
             return None
@@ -168,6 +181,10 @@ class Auth:
         """An evaluator key: it may score, finish and post lifecycle events of any open rollout
         (``rollout_of(..., evaluator=True)``, ``evaluator_or_admin``), and nothing else."""
         return bool(self._evaluator) and key_matches(token, self._evaluator)
+
+    def job_of(self, token: str | None) -> str | None:
+        """The job a job evaluator token opens (``RolloutApi._evaluated``), else None."""
+        return None if token is None else self.tokens.jobs.verify(token)
 
     def evaluator_or_admin(self, token: str | None) -> None:
         if self.is_evaluator(token):
@@ -233,6 +250,7 @@ class OpenRollout:
     errors: int = 0
     drift_tokens: int = 0
     harness_final: bool = False  # created with final_rewards="harness": its token may score it
+    job_id: str | None = None  # metadata["job_id"] at creation: a job token of it may evaluate
     branch_ids: set[str] = field(default_factory=set)  # posted branch points (MAX_BRANCHES)
 
     @property
@@ -257,6 +275,7 @@ class Rollouts:
         self.max_open, self.max_calls, self.max_tokens = max_open, max_calls, max_tokens
         self.open: dict[str, OpenRollout] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()
+        self.finished_jobs: dict[str, str] = {}  # the job of each one in ``finished`` that had one
         self.keep_finished = keep_finished
         self.created = 0
         self.refused_not_durable = 0  # requests answered 503 by ``durable``
@@ -265,7 +284,7 @@ class Rollouts:
         self, *, rollout_id: str | None = None, harness_final: bool = False, **started: Any
     ) -> OpenRollout:
         rid = rollout_id or str(ULID())
-        if not ROLLOUT_ID.match(rid):
+        if not ROLLOUT_ID.fullmatch(rid):  # match() would take a trailing newline
             raise ApiError(400, "rollout_id must match [A-Za-z0-9_-]{1,128}", param="rollout_id")
         if rid in self.open or rid in self.finished:
             raise ApiError(
@@ -286,7 +305,8 @@ class Rollouts:
             )
         except RecorderUsageError as exc:  # a value past its bound (the message names it)
             raise ApiError(400, str(exc), code="invalid_value") from exc
-        ro = OpenRollout(handle, harness_final=harness_final)
+        job_id = (started.get("metadata") or {}).get("job_id")
+        ro = OpenRollout(handle, harness_final=harness_final, job_id=job_id or None)
         self.open[rid] = ro
         self.created += 1
         return ro
@@ -343,9 +363,22 @@ class Rollouts:
         ro.handle.finish(status, error)
         self.pool.release(rollout_id)
         self.finished[rollout_id] = str(status)
+        if ro.job_id is not None:
+            self.finished_jobs[rollout_id] = ro.job_id
         while len(self.finished) > self.keep_finished:
-            self.finished.popitem(last=False)
+            gone, _ = self.finished.popitem(last=False)
+            self.finished_jobs.pop(gone, None)
         return True
+
+    def job_of(self, rollout_id: str) -> str | None:
+        """The ``job_id`` an open or recently finished rollout was created with; None when it
+        had none; 404 ``rollout_not_found`` when the proxy does not know it."""
+        ro = self.open.get(rollout_id)
+        if ro is not None:
+            return ro.job_id
+        if rollout_id in self.finished:
+            return self.finished_jobs.get(rollout_id)
+        raise ApiError(404, f"rollout {rollout_id} not found", code="rollout_not_found")
 
     def sweep(self, idle_s: float) -> int:
         """Finish (status timeout) the rollouts idle for longer than ``idle_s``."""
@@ -461,11 +494,33 @@ class RolloutApi:
         }, 201)  # fmt: skip
 
     def _open(self, request: HttpRequest, *, evaluator: bool = False) -> OpenRollout:
-        rid = self.auth.rollout_of(request.token, request.path["rollout_id"], evaluator=evaluator)
-        return self.rollouts.get(rid)
+        if evaluator:
+            return self.rollouts.get(self._evaluated(request))
+        return self.rollouts.get(self.auth.rollout_of(request.token, request.path["rollout_id"]))
+
+    def _evaluated(self, request: HttpRequest) -> str:
+        """The rollout of an evaluator route (read, rewards, finish) on the URL's rollout id:
+        the rollout token's own, any with an admin or evaluator key, a job token's job's."""
+        rid = request.path["rollout_id"]
+        job = self.auth.job_of(request.token)
+        if job is None:
+            return self.auth.rollout_of(request.token, rid, evaluator=True)
+        self._of_job(job, rid)
+        return rid
+
+    def _of_job(self, job_id: str, rollout_id: str) -> None:
+        """403 naming ``rollout_id`` unless the rollout was created for ``job_id`` (404 when the
+        proxy does not know it)."""
+        if self.rollouts.job_of(rollout_id) != job_id:
+            raise ApiError(
+                403,
+                f"this token opens the rollouts of job {job_id}; rollout {rollout_id} is not one",
+                code="forbidden",
+                param="rollout_id",
+            )
 
     async def get(self, request: HttpRequest) -> Answer:
-        rid = self.auth.rollout_of(request.token, request.path["rollout_id"], evaluator=True)
+        rid = self._evaluated(request)
         ro = self.rollouts.open.get(rid)
         if ro is None:
             if rid in self.rollouts.finished:
@@ -609,13 +664,18 @@ class RolloutApi:
 
     async def events(self, request: HttpRequest) -> Answer:
         """Lifecycle facts (stage started/finished, sandbox ready/released, evaluator output)
-        about an open rollout, recorded in order; only an evaluator or admin key may post them."""
+        about an open rollout, recorded in order; only an evaluator or admin key, or the job
+        token of the rollout's job, may post them."""
         token = request.token
         if token is not None and self.auth.tokens.verify(token) is not None:
             msg = "lifecycle events are posted with the admin key, not a rollout token"
             raise ApiError(403, msg, code="forbidden")
-        self.auth.evaluator_or_admin(token)
         rid = request.path["rollout_id"]
+        job = self.auth.job_of(token)
+        if job is None:
+            self.auth.evaluator_or_admin(token)
+        else:
+            self._of_job(job, rid)
         bodies = parse_lifecycle(await request.json())
         ro = self.rollouts.get(rid)
         try:
@@ -625,7 +685,7 @@ class RolloutApi:
         return json_answer({"rollout_id": rid, "recorded": len(ids), "event_ids": ids})
 
     async def finish(self, request: HttpRequest) -> Answer:
-        rid = self.auth.rollout_of(request.token, request.path["rollout_id"], evaluator=True)
+        rid = self._evaluated(request)
         body = await request.json()
         try:
             status = RolloutStatus(body.get("status", "completed"))

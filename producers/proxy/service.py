@@ -742,6 +742,7 @@ class Proxy:
             ("/v1/jobs", "POST", self.jobs.submit),
             ("/v1/jobs", "GET", self.jobs.list),
             ("/v1/jobs/{job_id}", "GET", self.jobs.status),
+            ("/v1/jobs/{job_id}/evaluator-token", "POST", self.jobs.evaluator_token),
             ("/v1/admin/pause", "POST", self.admin_pause),
             ("/v1/admin/drain", "POST", self.admin_drain),
             ("/v1/admin/resume", "POST", self.admin_resume),

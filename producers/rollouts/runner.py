@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
@@ -79,6 +79,7 @@ from rollstream.producers.rollouts.tasks import Task
 
 __all__ = [
     "FinalStatus",
+    "KeySource",
     "ProxyClient",
     "RolloutCallError",
     "RolloutExists",
@@ -94,6 +95,10 @@ Stage = Literal["init", "run", "eval", "done"]
 
 MAX_REASON: Final = 2_000
 MAX_OUTPUT: Final = 8_192  # EvaluatorOutput.output, as the proxy bounds it
+
+# A bearer key asked for at each call: ``keys(False)``, and ``keys(True)`` for a renewed one
+# after a 401 (``ProxyClient.keyed``). It may raise RolloutCallError (minting a key failed).
+KeySource = Callable[[bool], str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +122,8 @@ class RolloutResult:
 
 
 class ProxyClient:
-    """The rollout API calls of the runner, with the admin key (None: a proxy without one)."""
+    """The rollout API calls of the runner, with the admin key (None: a proxy without one);
+    ``keyed`` gives a client on the same connections with keys from a ``KeySource``."""
 
     def __init__(
         self,
@@ -126,14 +132,25 @@ class ProxyClient:
         *,
         transport: httpx.BaseTransport | None = None,
         timeout: float = 30.0,
+        http: httpx.Client | None = None,
     ) -> None:
         self.url = proxy_url.rstrip("/")
         key = admin_key.get_secret_value() if isinstance(admin_key, SecretStr) else admin_key
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(transport=transport, headers=headers, timeout=timeout)
+        self._keys: KeySource = lambda _renew: key
+        self._renews = False  # try a 401 again with keys(True)
+        self._owner = http is None  # ``http``: another client's connections (``keyed``)
+        self._http = httpx.Client(transport=transport, timeout=timeout) if http is None else http
+
+    def keyed(self, keys: KeySource) -> ProxyClient:
+        """A client on this one's connections whose calls send ``keys(False)`` as their bearer
+        key and, after a 401, once more with ``keys(True)``. Closing it closes nothing."""
+        client = ProxyClient(self.url, None, http=self._http)
+        client._keys, client._renews = keys, True
+        return client
 
     def close(self) -> None:
-        self._http.close()
+        if self._owner:
+            self._http.close()
 
     def __enter__(self) -> ProxyClient:
         return self
@@ -191,12 +208,28 @@ class ProxyClient:
         answer = self._post(f"/v1/rollouts/{rollout_id}/finish", body, ok=200)
         return bool(answer.get("finished", True))
 
-    def _post(self, path: str, body: Mapping[str, Any], *, ok: int) -> dict[str, Any]:
+    def evaluator_token(self, job_id: str) -> str:
+        """The job's evaluator token (``POST /v1/jobs/{job_id}/evaluator-token``, with the
+        admin or evaluator key): it scores, finishes and posts lifecycle events of that job's
+        rollouts only. An older proxy without the route: RolloutCallError status 404."""
+        answer = self._post(f"/v1/jobs/{job_id}/evaluator-token", {}, ok=200)
+        token = answer.get("token")
+        if not isinstance(token, str) or not token:
+            raise RolloutCallError(f"the proxy's evaluator-token answer for job {job_id} lacks it")
+        return token
+
+    def _send(self, path: str, body: Mapping[str, Any], key: str | None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            response = self._http.post(self.url + path, json=body)
+            return self._http.post(self.url + path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             msg = f"POST {path}: no answer from the proxy: {type(exc).__name__}: {exc}"
             raise RolloutCallError(msg) from exc
+
+    def _post(self, path: str, body: Mapping[str, Any], *, ok: int) -> dict[str, Any]:
+        response = self._send(path, body, self._keys(False))
+        if response.status_code == 401 and self._renews:  # e.g. a token of a restarted proxy
+            response = self._send(path, body, self._keys(True))
         if response.status_code == 409 and path == "/v1/rollouts":
             raise RolloutExists(f"rollout {body.get('rollout_id')} exists already", status=409)
         if response.status_code != ok:

@@ -9,8 +9,9 @@ and a slow stage never holds another's messages. For one message a worker:
   releases its claim with the RUN message in it and sends that message;
 - RUN: claims the sandbox, runs the agent, releases the claim with the EVAL message, sends it;
 - EVAL: claims the sandbox, runs the evaluator, posts the rewards, destroys the sandbox and
-  finishes the rollout, with the evaluator key (``rollouts_evaluator_key``; unset: the admin
-  key). The other stages call the proxy with the admin key.
+  finishes the rollout, with its job's evaluator token (``JobKeys``): minted once per job with
+  the evaluator key (``rollouts_evaluator_key``; unset: the admin key), it opens only that
+  job's rollouts. The other stages call the proxy with the admin key.
 
 A message's offset is committed only once its output is durable (the next message acknowledged
 by the broker, or the rollout finished at the proxy), and only in order per partition
@@ -42,6 +43,7 @@ import signal
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
@@ -84,7 +86,7 @@ from rollstream.producers.rollouts.stages import (
 from rollstream.schemas.control import StageLoad
 from rollstream.schemas.dlq import CODE_INVALID, CODE_UNDECODABLE, dlq_headers
 
-__all__ = ["Service", "StageWorker", "run_workers", "stages_of"]
+__all__ = ["JobKeys", "Service", "StageWorker", "run_workers", "stages_of"]
 
 log = logging.getLogger("rollstream.producers.rollouts.workers")
 
@@ -92,6 +94,7 @@ POLL_S: Final = 0.2
 RETRY_S: Final = 2.0  # between tries of a message whose proxy call got no answer
 SEND_TIMEOUT_S: Final = 60.0
 STOP_SEND_S: Final = 3.0  # once stopping: the longest wait for one send's ack, and the final flush
+MAX_JOB_TOKENS: Final = 1024  # jobs whose evaluator token a worker keeps (least recent go first)
 
 
 def stages_of(text: str) -> list[StageName]:
@@ -108,6 +111,59 @@ def stages_of(text: str) -> list[StageName]:
 def group_name(settings: RolloutSettings, stage: str) -> str:
     prefix = f"{settings.namespace}." if settings.namespace else ""
     return f"{prefix}rollstream.rollouts.{stage}"
+
+
+class JobKeys:
+    """The EVAL stage's proxy key per job: the job's evaluator token, minted with the evaluator
+    key (``ProxyClient.evaluator_token``) at the job's first call and kept for the
+    ``max_jobs`` most recent jobs; a 401 with it (a proxy restarted with a new random secret)
+    mints it again. A proxy without the route (404: an older one) gets the evaluator key itself
+    from then on, logged once. Thread-safe: the stage's threads share it."""
+
+    def __init__(
+        self, proxy: ProxyClient, evaluator_key: str | None, max_jobs: int = MAX_JOB_TOKENS
+    ) -> None:
+        self.proxy, self.max_jobs = proxy, max_jobs
+        self._evaluator_key = evaluator_key
+        self._tokens: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.no_route = False  # the proxy answered 404: no job tokens from it
+        self.minted = 0
+
+    def client(self, job_id: str) -> ProxyClient:
+        """A client of the evaluator's connections that calls with the job's key."""
+        return self.proxy.keyed(lambda renew: self.key(job_id, renew=renew))
+
+    def key(self, job_id: str, *, renew: bool = False) -> str | None:
+        """The job's token (``renew``: a fresh one), or the evaluator key (module docstring).
+        Raises RolloutCallError when the proxy gives none (no answer, a refusal)."""
+        with self._lock:
+            if self.no_route:
+                return self._evaluator_key
+            token = None if renew else self._tokens.get(job_id)
+            if token is not None:
+                self._tokens.move_to_end(job_id)
+                return token
+        try:
+            token = self.proxy.evaluator_token(job_id)
+        except RolloutCallError as exc:
+            if exc.status != 404:
+                raise
+            with self._lock:
+                if not self.no_route:
+                    log.warning(
+                        "the proxy has no evaluator-token route (an older proxy): the EVAL "
+                        "stage posts rewards and finishes with the evaluator key itself"
+                    )
+                self.no_route = True
+            return self._evaluator_key
+        with self._lock:
+            self._tokens[job_id] = token
+            self._tokens.move_to_end(job_id)
+            while len(self._tokens) > self.max_jobs:
+                self._tokens.popitem(last=False)
+            self.minted += 1
+        return token
 
 
 class Service:
@@ -128,8 +184,12 @@ class Service:
         self.worker_id = settings.rollouts_worker_id or f"{socket.gethostname()}-{os.getpid()}"
         admin, evaluator = settings.rollouts_admin_key, settings.rollouts_evaluator_key
         self.proxy = ProxyClient(settings.rollouts_proxy_url, admin or evaluator)
-        # the EVAL stage's rewards and finish: the evaluator key (unset: the admin key)
-        self.evaluator_proxy = ProxyClient(settings.rollouts_proxy_url, evaluator or admin)
+        # the EVAL stage's calls: its job's token, minted with the evaluator key (unset: admin)
+        eval_key = evaluator or admin
+        self.evaluator_proxy = ProxyClient(settings.rollouts_proxy_url, eval_key)
+        self.job_keys = JobKeys(
+            self.evaluator_proxy, eval_key.get_secret_value() if eval_key else None
+        )
         self.claims = ClaimStore(settings.home / "claims")
         self.producer = Producer(
             {**settings.kafka_config(), "acks": "all", "enable.idempotence": True, "linger.ms": 5}
@@ -257,7 +317,7 @@ class Service:
         evaluator = build_evaluator(job.evaluator)
         if endpoint is None:
             endpoint = open_rollout(self.proxy, msg.plan, job, agent, evaluator)
-        proxy = self.evaluator_proxy if msg.stage == "eval" else self.proxy
+        proxy = self.job_keys.client(msg.job.id) if msg.stage == "eval" else self.proxy
         return RolloutStages(
             msg.plan, job, msg.task, endpoint, self.provider(msg), agent, evaluator,
             self.worker_id, log, proxy,

@@ -17,10 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from _kafka_read import read_topic
 from _logged_process import LoggedProcess
 from confluent_kafka import Producer
+from prometheus_client.parser import text_string_to_metric_families
 from test_rollout_runner import ADMIN, proxy_url, settings  # noqa: F401 (module fixtures)
 
 from rollstream.producers.rollouts.jobs import parse_job, resolve_tasks
@@ -143,6 +145,17 @@ def _workers(
     )
 
 
+def _answered(proxy_url: str, route: str) -> dict[str, float]:
+    """The proxy's answers on ``route`` (a template) so far, by status code (its /metrics)."""
+    text = httpx.get(f"{proxy_url}/metrics", timeout=10).text
+    return {
+        s.labels["code"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "rollstream_proxy_requests_total" and s.labels.get("route") == route
+    }
+
+
 def _assert_clean(events: dict[str, list[Event]], planned: int, root: Path, home: Path) -> None:
     ended = _ended(events)
     assert len(ended) == planned
@@ -176,6 +189,11 @@ def test_a_job_runs_through_the_three_stages(
     finally:
         workers.stop()
     _assert_clean(events, planned, sandbox_root, tmp_path / "home")
+    # the EVAL stage minted its job's evaluator token once (one job, one worker process) and
+    # every reward and finish was taken (the key on those calls: test_proxy_job_tokens.py)
+    assert _answered(proxy_url, "/v1/jobs/{job_id}/evaluator-token") == {"200": 1.0}
+    assert set(_answered(proxy_url, "/v1/rollouts/{rollout_id}/rewards")) == {"200"}
+    assert set(_answered(proxy_url, "/v1/rollouts/{rollout_id}/finish")) == {"200"}
     for evs in events.values():
         fin = evs[-1].body
         assert isinstance(fin, RolloutFinished) and fin.status == "completed", fin
