@@ -9,6 +9,13 @@ once (its ``finally`` runs: a streamed call ends its backend request, a streamed
 aborts its row). Starlette's StreamingResponse under ASGI spec 2.4 and uvicorn only notice a
 hang-up when a write fails, and uvicorn drops writes to a closed connection silently, so the
 hang-up is read from ``receive``.
+
+Writes: the head (``http.response.start``) waits for the first part and goes out right before
+it, in the same turn of the event loop; a part marked ``LastPart`` ends the body in the same
+write (``more_body`` False) and ``parts`` is closed after it, so whatever its ``finally`` still
+does (the proxy reads its backend's stream to the end) happens after the client has the whole
+answer. The parts are sent from the caller's task; a second task reads ``receive`` and cancels
+the caller's on a hang-up (that cancellation is absorbed here).
 """
 
 from __future__ import annotations
@@ -18,9 +25,17 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-__all__ = ["send_stream"]
+__all__ = ["LastPart", "send_stream"]
 
 log = logging.getLogger("rollstream.adapters")
+
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+class LastPart(bytes):
+    """The last part of a streamed body: sent with the end of the body in one write."""
+
+    __slots__ = ()
 
 
 async def _hung_up(receive: Any) -> None:
@@ -36,22 +51,52 @@ async def send_stream(
     send: Any,
 ) -> None:
     """Send ``parts`` until they end or the client hangs up (module docstring)."""
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    task = asyncio.current_task()
+    assert task is not None
+    hung_up = False
 
-    async def pump() -> None:
-        async for part in parts:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    def on_hang_up(watcher: asyncio.Future[None]) -> None:
+        nonlocal hung_up
+        if not watcher.cancelled() and watcher.exception() is None:
+            hung_up = True
+            task.cancel()
 
-    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(_hung_up(receive))]
+    watcher = asyncio.ensure_future(_hung_up(receive))
+    watcher.add_done_callback(on_hang_up)
+    head: dict[str, Any] | None = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": headers,
+    }
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            async for part in parts:
+                last = type(part) is LastPart
+                if head is not None:
+                    await send(head)
+                    head = None
+                await send({"type": "http.response.body", "body": part, "more_body": not last})
+                if last:
+                    break
+            else:
+                if head is not None:
+                    await send(head)
+                await send(_END)
+        finally:  # no await between the last write and this: a hang-up now changes nothing
+            watcher.remove_done_callback(on_hang_up)
+            watcher.add_done_callback(_retrieve)
+            watcher.cancel()
+    except asyncio.CancelledError:
+        if not hung_up or task.uncancel() > 0:  # not (only) ours: the server's, pass it on
+            raise
+    except Exception as exc:
+        log.error("a streamed answer failed", exc_info=exc)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         aclose = getattr(parts, "aclose", None)
         if aclose is not None:
             await aclose()
-    if tasks[0].done() and not tasks[0].cancelled() and (exc := tasks[0].exception()):
-        log.error("a streamed answer failed", exc_info=exc)
+
+
+def _retrieve(watcher: asyncio.Future[None]) -> None:
+    if not watcher.cancelled():
+        watcher.exception()  # a receive that failed: nothing to report once the answer is out

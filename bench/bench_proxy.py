@@ -38,10 +38,14 @@ Anthropic Messages events on its own /v1/chat/completions and /v1/messages for d
 and 64 streams call with ``stream: true``, closed loop and then paced (--stream-rate calls/s in
 total): each call's time to the first content token and to the last event ([DONE] /
 message_stop), for the chat API and the Messages API, direct and through the proxy in the same
-run; added_* = proxied - direct, per percentile and phase.
+run; added_* = proxied - direct, per percentile and phase; cpu_ms_per_call: the backend's and
+the proxy's CPU together, own_cpu_ms_per_call: the proxy process's alone. With --baseline-rev
+the proxy of that revision is measured too ("baseline_<api>"), and
+proxy_<api>_own_cpu_over_baseline is the ratio of the two proxies' own CPU per call.
 LiteLLM (if it starts) is measured on the chat API the same way.
 
     .venv/bin/python bench/bench_proxy.py --stream [--quick] [--token-ms 20] [--api chat,messages]
+        [--baseline-rev HEAD]
 
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
@@ -564,29 +568,41 @@ def stream_bench(args: argparse.Namespace) -> None:
         proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
                        "--model-path", str(mpath), "--http-client", "http1"],
                       work / "proxy.log")  # fmt: skip
-        procs = [p for p in (fake, proxy, lite) if p is not None]
+        ours = {"proxy": (pport, proxy)}  # kind -> (port, process)
+        if args.baseline_rev:  # the proxy of that revision, measured in the same run
+            bport = free_port()
+            benv = {**os.environ, "PYTHONPATH": str(baseline_tree(args.baseline_rev, work))}
+            ours["baseline"] = bport, spawn(
+                [*me, "--serve-proxy", str(bport), "--backend", f"http://127.0.0.1:{fport}",
+                 "--model-path", str(mpath), "--http-client", "http1"],
+                work / "baseline.log", benv)  # fmt: skip
+        procs = [p for p in (fake, *(p for _, p in ours.values()), lite) if p is not None]
         results: dict[str, list[dict[str, Any]]] = {}
         try:
             assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "backend"
-            ok = wait_http(f"http://127.0.0.1:{pport}/health", proxy, 90)
-            assert ok, (work / "proxy.log").read_text()[-2000:]
+            for kind, (port, proc) in ours.items():
+                ok = wait_http(f"http://127.0.0.1:{port}/health", proc, 90)
+                assert ok, (work / f"{kind}.log").read_text()[-2000:]
             admin = {"Authorization": f"Bearer {ADMIN}"}
-            rollouts = [httpx.post(f"http://127.0.0.1:{pport}/v1/rollouts", headers=admin,
-                                   json={"task_id": f"b{i}", "group_id": "bench"}).json()
-                        for i in range(args.streams)]  # fmt: skip
+            rollouts = {kind: [httpx.post(f"http://127.0.0.1:{port}/v1/rollouts", headers=admin,
+                                          json={"task_id": f"b{i}", "group_id": "bench"}).json()
+                               for i in range(args.streams)]
+                        for kind, (port, _) in ours.items()}  # fmt: skip
             targets: list[tuple[str, str, int]] = []
             for api in apis:
-                targets += [(f"direct_{api}", api, fport), (f"proxy_{api}", api, pport)]
+                targets.append((f"direct_{api}", api, fport))
+                targets += [(f"{kind}_{api}", api, port) for kind, (port, _) in ours.items()]
             if lite is not None and "chat" in apis:
                 targets.append(("litellm_chat", "chat", lport))
 
             def calls(target: str, api: str, port: int) -> list[SseCall]:
                 tail = "chat/completions" if api == "chat" else "messages"
-                if target.startswith("proxy"):
+                kind = target.partition("_")[0]
+                if kind in rollouts:
                     return [
                         SseCall("127.0.0.1", port, f"/rollouts/{r['rollout_id']}/v1/{tail}",
                                 r["token"], i, api)
-                        for i, r in enumerate(rollouts)
+                        for i, r in enumerate(rollouts[kind])
                     ]  # fmt: skip
                 return [SseCall("127.0.0.1", port, f"/v1/{tail}", "sk-bench", i, api)
                         for i in range(args.streams)]  # fmt: skip
@@ -608,15 +624,19 @@ def stream_bench(args: argparse.Namespace) -> None:
                                 continue
                         group = calls(target, api, port)
                         await run_stream_phase(group[:4], 0.3)  # warm connections
-                        server = [fake.pid] + (
-                            [proxy.pid] if target.startswith("proxy") else
-                            [lite.pid] if target.startswith("litellm") and lite else []
+                        kind = target.partition("_")[0]
+                        own = (  # the process in front of the backend, if any
+                            ours[kind][1].pid if kind in ours else
+                            lite.pid if kind == "litellm" and lite else None
                         )  # fmt: skip
+                        server = [fake.pid] + ([own] if own is not None else [])
                         for mode, rate in (("closed", None), ("paced", args.stream_rate)):
                             cpu0 = {pid: cpu_seconds(pid) for pid in server}
                             res = await run_stream_phase(group, duration, rate)
-                            cpu = sum(cpu_seconds(pid) - cpu0[pid] for pid in server)
-                            res["cpu_ms_per_call"] = 1000 * cpu / max(1, res["n"])
+                            cpu = {pid: cpu_seconds(pid) - cpu0[pid] for pid in server}
+                            res["cpu_ms_per_call"] = 1000 * sum(cpu.values()) / max(1, res["n"])
+                            if own is not None:  # that process alone
+                                res["own_cpu_ms_per_call"] = 1000 * cpu[own] / max(1, res["n"])
                             results.setdefault(f"{target}_{mode}", []).append(res)
                         for c in group:
                             c.close()
@@ -640,8 +660,9 @@ def stream_bench(args: argparse.Namespace) -> None:
     }  # fmt: skip
     keys = ("first_p50_ms", "first_p99_ms", "last_p50_ms", "last_p99_ms", "rps", "cpu_ms_per_call")
     for target, res in results.items():
-        for key in keys:
-            out[f"{target}_{key}"] = round(statistics.median(r[key] for r in res), 3)
+        for key in (*keys, "own_cpu_ms_per_call"):
+            if key in res[0]:
+                out[f"{target}_{key}"] = round(statistics.median(r[key] for r in res), 3)
     for target in results:
         kind, _, api_mode = target.partition("_")
         if kind == "direct" or f"direct_{api_mode}" not in results:
@@ -650,6 +671,11 @@ def stream_bench(args: argparse.Namespace) -> None:
         for key in (*keys[:4], keys[5]):
             out[f"{target}_added_{key}"] = round(out[f"{target}_{key}"] - out[f"{base}_{key}"], 3)
         out[f"{target}_rps_ratio"] = round(out[f"{target}_rps"] / out[f"{base}_rps"], 3)
+        if kind == "baseline":  # the working tree's proxy against that revision's, same run
+            mine = f"proxy_{api_mode}_own_cpu_ms_per_call"
+            if mine in out:
+                ratio = out[mine] / out[f"{target}_own_cpu_ms_per_call"]
+                out[f"proxy_{api_mode}_own_cpu_over_baseline"] = round(ratio, 3)
     out["proxy_calls"] = status["stats"]["completed"]
     out["proxy_events_submitted"] = status["delivery"]["submitted"]
     if lite is not None and "litellm_chat_closed" not in results:
@@ -657,7 +683,7 @@ def stream_bench(args: argparse.Namespace) -> None:
     out["litellm"] = "measured" if "litellm_chat_closed" in results else lite_error
     out["wall_s"] = round(time.monotonic() - t_start, 1)
     print(f"{'target':22} {'first p50':>10} {'first p99':>10} {'last p50':>10} {'last p99':>10} "
-          f"{'calls/s':>8} {'cpu ms/call':>11}")  # fmt: skip
+          f"{'calls/s':>8} {'cpu ms/call':>11} {'own cpu ms':>10}")  # fmt: skip
     for target in results:
         f50, f99 = out[f"{target}_first_p50_ms"], out[f"{target}_first_p99_ms"]
         l50, l99, rps = (
@@ -665,8 +691,9 @@ def stream_bench(args: argparse.Namespace) -> None:
             out[f"{target}_last_p99_ms"],
             out[f"{target}_rps"],
         )
-        cpu = out[f"{target}_cpu_ms_per_call"]
-        print(f"{target:22} {f50:10.2f} {f99:10.2f} {l50:10.2f} {l99:10.2f} {rps:8.0f} {cpu:11.3f}")
+        cpu, own = out[f"{target}_cpu_ms_per_call"], out.get(f"{target}_own_cpu_ms_per_call")
+        print(f"{target:22} {f50:10.2f} {f99:10.2f} {l50:10.2f} {l99:10.2f} {rps:8.0f} {cpu:11.3f}"
+              + (f" {own:10.3f}" if own is not None else ""))  # fmt: skip
     print(json.dumps(out))
 
 

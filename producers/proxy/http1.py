@@ -155,9 +155,13 @@ class Http1Transport(httpx.AsyncBaseTransport):
         connection goes back to the pool only when the body was read to its end; leaving the
         block earlier closes it. Raises Http1Error, also while ``parts`` is read."""
         key = (host, port)
+        slots = self._slots
         try:
-            async with asyncio.timeout(timeouts.get("pool") if self._slots.locked() else None):
-                await self._slots.acquire()
+            if slots.locked():
+                async with asyncio.timeout(timeouts.get("pool")):
+                    await slots.acquire()
+            else:
+                await slots.acquire()
         except TimeoutError:
             raise Http1Error("PoolTimeout", "no free connection") from None
         conn: _Conn | None = None
@@ -406,6 +410,62 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     return b"".join(parts)
 
 
+class _ReadDeadline:
+    """The read timeout of a streamed body: each ``with deadline:`` block (one read) must end
+    within ``seconds``, else the read fails with TimeoutError, as under ``asyncio.timeout``,
+    but with one timer for the whole body, moved on only when it fires before the read in
+    progress is due (an ``asyncio.timeout`` per read costs a timer, a Timeout object and a
+    look-up of the current task per streamed token). The timeout is set on the reader (its
+    pending and later reads raise it): the connection is not reused after it. ``close()`` at
+    the end."""
+
+    __slots__ = ("_due", "_handle", "_loop", "_reader", "_reading", "seconds")
+
+    def __init__(self, reader: asyncio.StreamReader, seconds: float) -> None:
+        self.seconds = seconds
+        self._reader = reader
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+        self._reading = False
+        self._due = 0.0
+
+    def __enter__(self) -> None:
+        self._reading = True
+        self._due = self._loop.time() + self.seconds
+        if self._handle is None:
+            self._handle = self._loop.call_at(self._due, self._expire)
+
+    def __exit__(self, *exc: object) -> None:
+        self._reading = False
+
+    def _expire(self) -> None:
+        self._handle = None
+        if not self._reading:  # between reads: the next read sets a timer again
+            return
+        if self._loop.time() < self._due:  # a later read: its own due time
+            self._handle = self._loop.call_at(self._due, self._expire)
+            return
+        self._reader.set_exception(TimeoutError("read timed out"))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class _NoDeadline:
+    """``with`` blocks without a timeout (a read timeout of None)."""
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _BodyReader:
     """A response body read piece by piece: chunked, ``length`` bytes, or up to the end of the
     connection. ``done`` once the whole body was read."""
@@ -417,51 +477,69 @@ class _BodyReader:
         self.done = False
 
     async def parts(self) -> AsyncIterator[bytes]:
-        try:
-            async for part in self._parts():
-                yield part
-        except TimeoutError:
-            raise Http1Error("ReadTimeout", "read timed out") from None
-        except asyncio.LimitOverrunError as exc:
-            raise _bad("chunk line too long") from exc
-        except asyncio.IncompleteReadError as exc:
-            raise _bad("server closed the connection before the end of the body") from exc
-        except (ConnectionError, OSError) as exc:
-            raise Http1Error("ReadError", str(exc) or type(exc).__name__) from exc
-
-    async def _parts(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive (one generator, no layer per piece: each piece of
+        a streamed completion is a token); read failures as Http1Error."""
         reader, read_s = self.reader, self.read_s
-        if self.chunked:
-            while True:
-                async with asyncio.timeout(read_s):  # one timer per chunk: its line and data
-                    line = await reader.readuntil(b"\r\n")
-                    size_text = line[:-2].split(b";", 1)[0].strip()
-                    if _HEX.fullmatch(size_text) is None:
-                        raise _bad(f"bad chunk size {line[:40]!r}")
-                    size = int(size_text, 16)
-                    if size == 0:
-                        break
-                    data = await reader.readexactly(size + 2)
-                if data[-2:] != b"\r\n":
-                    raise _bad("chunk data longer than its size")
-                yield data[:-2]
-            async with asyncio.timeout(read_s):
-                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields
-                    pass
-        elif self.length is not None:
-            left = self.length
-            while left:
-                async with asyncio.timeout(read_s):
-                    data = await reader.read(min(left, 65536))
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", left)
-                left -= len(data)
-                yield data
-        else:
-            while True:
-                async with asyncio.timeout(read_s):
-                    data = await reader.read(65536)
-                if not data:
-                    break
-                yield data
+        deadline = _NoDeadline() if read_s is None else _ReadDeadline(reader, read_s)
+        try:
+            if self.chunked:
+                while True:
+                    try:
+                        with deadline:  # one deadline per chunk: its line and data
+                            line = await reader.readuntil(b"\r\n")
+                            size_text = line[:-2].split(b";", 1)[0].strip()
+                            if _HEX.fullmatch(size_text) is None:
+                                raise _bad(f"bad chunk size {line[:40]!r}")
+                            size = int(size_text, 16)
+                            if size == 0:
+                                break
+                            data = await reader.readexactly(size + 2)
+                    except _READ_ERRORS as exc:
+                        raise _read_error(exc) from exc
+                    if data[-2:] != b"\r\n":
+                        raise _bad("chunk data longer than its size")
+                    yield data[:-2]
+                try:
+                    with deadline:
+                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields
+                            pass
+                except _READ_ERRORS as exc:
+                    raise _read_error(exc) from exc
+            else:
+                left = self.length
+                while left is None or left:
+                    try:
+                        with deadline:
+                            data = await reader.read(65536 if left is None else min(left, 65536))
+                    except _READ_ERRORS as exc:
+                        raise _read_error(exc) from exc
+                    if not data:
+                        if left is None:  # delimited by the end of the connection
+                            break
+                        raise _bad("server closed the connection before the end of the body")
+                    if left is not None:
+                        left -= len(data)
+                    yield data
+        finally:
+            deadline.close()
         self.done = True
+
+
+_READ_ERRORS = (
+    TimeoutError,
+    asyncio.LimitOverrunError,
+    asyncio.IncompleteReadError,
+    ConnectionError,
+    OSError,
+)
+
+
+def _read_error(exc: BaseException) -> Http1Error:
+    """The Http1Error of a failed read of a body."""
+    if isinstance(exc, TimeoutError):
+        return Http1Error("ReadTimeout", "read timed out")
+    if isinstance(exc, asyncio.LimitOverrunError):
+        return _bad("chunk line too long")
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return _bad("server closed the connection before the end of the body")
+    return Http1Error("ReadError", str(exc) or type(exc).__name__)

@@ -34,6 +34,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rollstream.adapters.asgi_stream import LastPart
 from rollstream.producers.errors import ApiError, ChatError, ChatInputError
 from rollstream.producers.proxy.anthropic_wire import (
     content_blocks,
@@ -47,7 +48,13 @@ from rollstream.producers.proxy.anthropic_wire import (
     sse_events,
     stop_reason,
 )
-from rollstream.producers.proxy.openai_wire import Answer, HttpRequest, as_api_error, dumps
+from rollstream.producers.proxy.openai_wire import (
+    Answer,
+    HttpRequest,
+    SseTemplate,
+    as_api_error,
+    dumps,
+)
 from rollstream.producers.proxy.rollout_api import OpenRollout
 from rollstream.producers.proxy.stream_turn import StreamedTurn
 from rollstream.producers.proxy.turns import Pipeline
@@ -123,7 +130,9 @@ class MessagesApi:
         return message_answer(message, stream=request.stream)
 
     async def message_events(self, call: StreamedTurn, rollout_id: str) -> AsyncIterator[bytes]:
-        """A streamed Message's events as the tokens come (the module docstring)."""
+        """A streamed Message's events as the tokens come (the module docstring): the events
+        of one step in one part (``message_start`` with the first text), the last ones in a
+        LastPart."""
 
         def event(name: str, data: dict[str, Any]) -> bytes:
             return sse_events([(name, data)])
@@ -139,41 +148,38 @@ class MessagesApi:
             output_tokens=0,
             ext=ext,
         )
-        yield event("message_start", {"type": "message_start", "message": start})
+        pending = event("message_start", {"type": "message_start", "message": start})
         text_open, index = False, 0
+        text_delta = SseTemplate(
+            b"event: content_block_delta\ndata: ",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": SseTemplate.SLOT},
+            },
+        )
 
-        def text(piece: str) -> list[bytes]:
+        def text(piece: str) -> bytes:
             nonlocal text_open
-            out = []
-            if not text_open:
-                text_open = True
-                block = {"type": "text", "text": ""}
-                out.append(
-                    event(
-                        "content_block_start",
-                        {"type": "content_block_start", "index": 0, "content_block": block},
-                    )
-                )
-            delta = {"type": "text_delta", "text": piece}
-            out.append(
-                event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": delta},
-                )
-            )
-            return out
+            if text_open:
+                return text_delta.fill(piece)
+            text_open = True
+            block = {"type": "text", "text": ""}
+            opened = {"type": "content_block_start", "index": 0, "content_block": block}
+            return event("content_block_start", opened) + text_delta.fill(piece)
 
         try:
             async for d in call.deltas():
                 if d.text:
-                    for b in text(d.text):
-                        yield b
+                    yield pending + text(d.text)
+                    pending = b""
             out, reply = call.out, call.reply
             assert out is not None and reply is not None
-            for b in text(call.rest) if call.rest else []:
-                yield b
+            tail = [pending]
+            if call.rest:
+                tail.append(text(call.rest))
             if text_open:
-                yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                tail.append(event("content_block_stop", {"type": "content_block_stop", "index": 0}))
                 index = 1
             for block in content_blocks(None, reply.tool_calls):
                 empty = {**block, "input": {}}
@@ -181,15 +187,17 @@ class MessagesApi:
                     "type": "input_json_delta",
                     "partial_json": dumps(block["input"]).decode(),
                 }
-                yield event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": empty},
-                )
-                yield event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": partial},
-                )
-                yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+                tail += [
+                    event(
+                        "content_block_start",
+                        {"type": "content_block_start", "index": index, "content_block": empty},
+                    ),
+                    event(
+                        "content_block_delta",
+                        {"type": "content_block_delta", "index": index, "delta": partial},
+                    ),
+                    event("content_block_stop", {"type": "content_block_stop", "index": index}),
+                ]
                 index += 1
             stops, params = call.turn.stop_token_ids, call.params
             stop_sequence = None
@@ -205,13 +213,16 @@ class MessagesApi:
                 "policy_version": out.policy_version,
                 "drift_tokens": call.drift,
             }
-            yield event(
-                "message_delta",
-                {"type": "message_delta", "delta": delta, "usage": usage, "rollstream": ext},
+            tail.append(
+                event(
+                    "message_delta",
+                    {"type": "message_delta", "delta": delta, "usage": usage, "rollstream": ext},
+                )
             )
-            yield event("message_stop", {"type": "message_stop"})
+            tail.append(event("message_stop", {"type": "message_stop"}))
+            yield LastPart(b"".join(tail))
         except ApiError as exc:
-            yield b"event: error\ndata: " + error_body(exc) + b"\n\n"
+            yield LastPart(pending + b"event: error\ndata: " + error_body(exc) + b"\n\n")
         finally:
             await call.close()
 

@@ -24,6 +24,7 @@ answered garbage, 503 no backend). ApiError and its place in the tree: producers
 from __future__ import annotations
 
 import json as _json
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,6 +69,7 @@ __all__ = [
     "ChatRequest",
     "HttpRequest",
     "ProxyError",
+    "SseTemplate",
     "TextRequest",
     "as_api_error",
     "bearer_token",
@@ -484,6 +486,27 @@ def chat_chunk(
     """One chat.completion.chunk of choice ``index`` (``head``: id, object, created, model)."""
     return {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                  "finish_reason": finish}]}  # fmt: skip
+
+
+class SseTemplate:
+    """One server-sent event rendered once with a slot for a string (``SseTemplate.SLOT``,
+    exactly once among ``data``'s values); ``fill(text)`` is then the event with ``text`` in the
+    slot, byte for byte what ``prefix + dumps(data with text) + b"\\n\\n"`` gives, for one
+    string escape per event (a streamed reply's content deltas)."""
+
+    SLOT = "\x00slot-" + secrets.token_hex(8) + "\x00"  # no model name or id holds this
+
+    __slots__ = ("_post", "_pre")
+
+    def __init__(self, prefix: bytes, data: Any) -> None:
+        whole = prefix + dumps(data) + b"\n\n"
+        slot = dumps(self.SLOT)
+        if whole.count(slot) != 1:
+            raise ValueError("an SSE template holds its slot exactly once")
+        self._pre, self._post = whole.split(slot)
+
+    def fill(self, text: str) -> bytes:
+        return self._pre + dumps(text) + self._post
 
 
 def stream_logprobs(

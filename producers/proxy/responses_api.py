@@ -41,6 +41,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rollstream.adapters.asgi_stream import LastPart
 from rollstream.producers.errors import ApiError, ChatError
 from rollstream.producers.proxy.anthropic_wire import sse_events
 from rollstream.producers.proxy.openai_wire import (
@@ -173,8 +174,11 @@ class ResponsesApi:
             ext=ext,
         )
         start |= {"status": "in_progress", "usage": None}
-        yield event({"type": "response.created", "response": start})
-        yield event({"type": "response.in_progress", "response": start})
+        # the events of one step go out as one part: the first two with the first text
+        pending = [
+            event({"type": "response.created", "response": start}),
+            event({"type": "response.in_progress", "response": start}),
+        ]
         item_id = f"msg_{call.call_id}"
         at = {"item_id": item_id, "output_index": 0, "content_index": 0}
         opened = False
@@ -187,20 +191,41 @@ class ResponsesApi:
                     item = {"type": "message", "id": item_id, "role": "assistant",
                             "status": "in_progress", "content": []}  # fmt: skip
                     part = {"type": "output_text", "text": "", "annotations": []}
-                    yield event({"type": "response.output_item.added", "output_index": 0,
-                                 "item": item})  # fmt: skip
-                    yield event({"type": "response.content_part.added", **at, "part": part})
-                yield event(
-                    {"type": "response.output_text.delta", **at, "delta": d.text, "logprobs": []}
+                    pending.append(
+                        event(
+                            {"type": "response.output_item.added", "output_index": 0, "item": item}
+                        )
+                    )
+                    pending.append(
+                        event({"type": "response.content_part.added", **at, "part": part})
+                    )
+                pending.append(
+                    event(
+                        {
+                            "type": "response.output_text.delta",
+                            **at,
+                            "delta": d.text,
+                            "logprobs": [],
+                        }
+                    )
                 )
+                yield b"".join(pending)
+                pending = []
             out, reply = call.out, call.reply
             assert out is not None and reply is not None
             incomplete = out.finish_reason == "length"
             output = output_items(call.call_id, reply.content, reply.tool_calls,
                                   incomplete=incomplete)  # fmt: skip
             if call.rest and opened:
-                yield event(
-                    {"type": "response.output_text.delta", **at, "delta": call.rest, "logprobs": []}
+                pending.append(
+                    event(
+                        {
+                            "type": "response.output_text.delta",
+                            **at,
+                            "delta": call.rest,
+                            "logprobs": [],
+                        }
+                    )
                 )
             for i, item in enumerate(output):
                 events = item_events(i, item)
@@ -208,8 +233,7 @@ class ResponsesApi:
                     events = [e for e in events if e["type"] not in (
                         "response.output_item.added", "response.content_part.added",
                         "response.output_text.delta")]  # fmt: skip
-                for e in events:
-                    yield event(e)
+                pending += [event(e) for e in events]
             ext |= {
                 "backend": out.backend,
                 "policy_version": out.policy_version,
@@ -229,10 +253,12 @@ class ResponsesApi:
                 ext=ext,
             )
             kind = "response.incomplete" if incomplete else "response.completed"
-            yield event({"type": kind, "response": final})
+            pending.append(event({"type": kind, "response": final}))
+            yield LastPart(b"".join(pending))
         except ApiError as exc:
             err = responses_error(exc)
             body = {"code": err.code, "message": err.message, "param": err.param}
-            yield event({"type": "error", **body, "error": body})
+            pending.append(event({"type": "error", **body, "error": body}))
+            yield LastPart(b"".join(pending))
         finally:
             await call.close()

@@ -37,12 +37,14 @@ from typing import Any
 
 import numpy as np
 
+from rollstream.adapters.asgi_stream import LastPart
 from rollstream.producers.errors import ApiError, BackendError
 from rollstream.producers.proxy.backends import Completion, TokenChunk
 from rollstream.producers.proxy.chat import AssistantReply, ChatTemplate, ChatTurn, read_reply
 from rollstream.producers.proxy.openai_wire import (
     FINISH_REASONS,
     CallParams,
+    SseTemplate,
     chat_chunk,
     dumps,
     error_body,
@@ -110,8 +112,8 @@ class StreamedTurn:
         self._content = ContentStream(
             tools=turn.tools_enabled, markers=fmt.markers, whole_json=fmt.name == "llama3_json"
         )
-        special, marks = chat.special_ids, chat.marker_ids if turn.tools_enabled else frozenset()
-        self._shown = lambda t: t not in special or t in marks  # as read_reply decodes them
+        marks = chat.marker_ids if turn.tools_enabled else frozenset()
+        self._hidden = chat.special_ids - marks  # not shown, as read_reply decodes them
         decode = chat.tokenizer.decode
         self._text = IncrementalText(lambda ids: decode(ids, skip_special_tokens=False))
 
@@ -143,7 +145,9 @@ class StreamedTurn:
             while chunk is not None:
                 start = len(self.ids)
                 self._take(chunk)
-                shown = [t for t in chunk.token_ids if self._shown(t)]
+                shown = chunk.token_ids
+                if not self._hidden.isdisjoint(shown):
+                    shown = [t for t in shown if t not in self._hidden]
                 last = chunk.finish_reason is not None
                 if last and self._user_stop(chunk) and shown and shown[-1] == chunk.stop_reason:
                     shown = shown[:-1]  # a stop string the request asked for: not content
@@ -226,7 +230,9 @@ async def chat_events(call: StreamedTurn, *, created: int, rollout_id: str) -> A
     its tokens' logprobs when asked for), after the last token the rest of the content, the
     tool calls (one chunk, parsed from the whole reply) and the finish chunk (with the
     ``rollstream`` extension: call_id, backend, policy version), the usage chunk when asked
-    for, ``data: [DONE]``. A failure after the first byte is an error event."""
+    for, ``data: [DONE]``: the events after the last token in one LastPart (one write with the
+    end of the body). A content delta is a pre-rendered chunk with only its text escaped
+    (``SseTemplate``). A failure after the first byte is an error event."""
     params = call.params
     head = {
         "id": f"chatcmpl-{call.call_id}",
@@ -235,16 +241,18 @@ async def chat_events(call: StreamedTurn, *, created: int, rollout_id: str) -> A
         "model": call.model,
     }
     role = _sse(chat_chunk(head, {"role": "assistant", "content": ""}))
+    content = SseTemplate(b"data: ", chat_chunk(head, {"content": SseTemplate.SLOT}))
     try:
         async for d in call.deltas():
-            lp = None
             if params.logprobs:
                 lps = call.logprobs[d.start : d.end]
                 tops = call.tops[d.start : d.end] if call.tops is not None else None
                 texts = call.token_texts(d.start, d.end)
                 lp = stream_logprobs(texts, lps, tops, call.top_texts(d.start, d.end))
-            if d.text or lp is not None:
                 yield role + _sse(chat_chunk(head, {"content": d.text}, lp=lp))
+                role = b""
+            elif d.text:
+                yield role + content.fill(d.text)
                 role = b""  # sent with the first content: one write
         out, reply = call.out, call.reply
         assert out is not None and reply is not None
@@ -270,8 +278,8 @@ async def chat_events(call: StreamedTurn, *, created: int, rollout_id: str) -> A
         if params.include_usage:
             use = usage(len(call.prompt), len(out.token_ids))
             tail.append(_sse({**head, "choices": [], "usage": use}))
-        yield b"".join(tail) + b"data: [DONE]\n\n"
+        yield LastPart(b"".join(tail) + b"data: [DONE]\n\n")
     except ApiError as exc:
-        yield role + b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n"
+        yield LastPart(role + b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n")
     finally:
         await call.close()

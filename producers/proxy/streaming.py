@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 MAX_EVENT_BYTES = 1 << 20  # one event of a backend's stream (a chunk holds one step's tokens)
+_NUMBER = (int, float)
 
 
 class SseParser:
@@ -59,6 +60,9 @@ class SseParser:
             raise ValueError(f"a stream event over {self._max} bytes")
         out = []
         for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:  # one data line: the usual
+                out.append(event[6:])
+                continue
             lines = [
                 line[5:].removeprefix(b" ")
                 for line in event.split(b"\n")
@@ -121,7 +125,7 @@ def parse_chunk(data: Any, top_k: int = 0) -> TokenChunk | None:
         raise ValueError("a stream chunk's `token_ids` are not token ids")
     if not isinstance(logprobs, list) or len(logprobs) != len(ids):
         raise ValueError(f"{len(ids)} token ids but logprobs {logprobs!r:.80}")
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in logprobs):
+    if not all(isinstance(v, _NUMBER) and type(v) is not bool for v in logprobs):
         raise ValueError("a generated token has no logprob")
     tops = None
     if top_k:
