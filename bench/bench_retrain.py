@@ -21,9 +21,16 @@
    against the demo's loop time (``loop_s``: from the first job to the last policy version;
    the log removes the rollouts' time) and ``bit_equal`` of the last checkpoint; then the same
    with ``--rebuild`` (samples rebuilt by the batch path): replay -> samples events/s.
+5. --demo-rollouts N instead: the same, the demo sized in rollouts: it runs with no step limit
+   until N rollouts of its run have a RolloutFinished on the events topic, then is stopped
+   (SIGINT: its ``finally`` stops the services; the trainer ends after the step in flight and
+   publishes it); ``loop_s`` runs from the first job to the last PolicyVersion, the retrains
+   train exactly the published versions (``--max-steps``) and compare the newest checkpoint
+   both hold.
 
     .venv/bin/python bench/bench_retrain.py [--quick] [--faust] [--bootstrap HOST:PORT]
-    .venv/bin/python bench/bench_retrain.py --demo-steps 90     # ~3,000 rollouts
+    .venv/bin/python bench/bench_retrain.py --demo-steps 3
+    .venv/bin/python bench/bench_retrain.py --demo-rollouts 3000
 
 Starts its own Kafka broker unless --bootstrap. Progress on stderr; the last stdout line is one
 JSON object with the figures.
@@ -36,6 +43,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from safetensors.torch import load_file
 
 from rollstream.adapters.topics import ensure_topics
@@ -58,11 +66,13 @@ from rollstream.inference.tinymodel import ensure_tiny_model
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port, resolve_classpath
 from rollstream.infra.retrain import RetrainSettings
 from rollstream.infra.retrain import run as retrain
+from rollstream.producers.rollouts.jobqueue import read_jobs
 from rollstream.schemas import (
     Codec,
     CommonSettings,
     Event,
     LlmCall,
+    PolicyVersion,
     Reward,
     RolloutFinished,
     RolloutStarted,
@@ -71,6 +81,7 @@ from rollstream.streams.batch_job import run_batch
 from rollstream.streams.settings import ProcessorSettings
 
 RUN = "bench-run"
+DEMO_STEPS_UNBOUNDED = 100_000  # --demo-rollouts: the rollout count stops the demo
 
 
 def say(message: str) -> None:
@@ -166,64 +177,269 @@ def last_checkpoints_equal(a_dir: Path, b_dir: Path) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def demo_run(steps: int) -> dict[str, Any]:
-    """A demo run of ``steps`` policy versions, retrained from version 0 (see the docstring)."""
+def _read_all(settings: CommonSettings, topic: str, timeout: float = 30.0) -> list[Any]:
+    """Every record of ``topic`` now on the log (all partitions, from the beginning)."""
+    consumer = Consumer(
+        {
+            **settings.kafka_config(),
+            "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        md = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        if md is None:
+            return []
+        ends = {}
+        for p in md.partitions:
+            lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+            if hi > lo:
+                ends[p] = hi
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
+        out, deadline = [], time.monotonic() + timeout
+        while ends and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error() is not None:
+                continue
+            out.append(msg)
+            if (msg.offset() or 0) + 1 >= ends.get(msg.partition() or 0, 0):
+                ends.pop(msg.partition(), None)
+        assert not ends, f"{topic}: not read to its end in {timeout:.0f} s"
+        return out
+    finally:
+        consumer.close()
+
+
+class FinishedCounter:
+    """Rollouts with a RolloutFinished on the events topic, counted once each (by rollout id),
+    read as the demo writes them."""
+
+    def __init__(self, settings: CommonSettings) -> None:
+        self.settings, self.codec = settings, Codec()
+        self.finished: set[str] = set()
+        self.consumer: Consumer | None = None
+
+    def _attach(self) -> bool:
+        topic = self.settings.topics().events
+        c = Consumer(
+            {
+                **self.settings.kafka_config(),
+                "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": False,
+            }
+        )
+        md = c.list_topics(topic, timeout=5).topics.get(topic)
+        if md is None or md.error is not None or not md.partitions:
+            c.close()
+            return False
+        c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in md.partitions])
+        self.consumer = c
+        return True
+
+    def poll(self, seconds: float) -> int:
+        if self.consumer is None:
+            try:
+                attached = self._attach()
+            except KafkaException:  # the demo's broker is not up yet
+                attached = False
+            if not attached:
+                time.sleep(seconds)
+                return 0
+        assert self.consumer is not None
+        for msg in self.consumer.consume(10_000, seconds):
+            if msg.error() is None and msg.value():
+                event = self.codec.decode(msg.value())
+                if isinstance(event.body, RolloutFinished):
+                    self.finished.add(event.rollout_id)
+        return len(self.finished)
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+
+
+def demo_run(steps: int | None, rollouts: int | None) -> dict[str, Any]:
+    """A demo run of ``steps`` policy versions, or stopped once ``rollouts`` rollouts finished,
+    retrained from version 0 (see the docstring)."""
     work = Path(tempfile.mkdtemp(prefix="bench-retrain-demo-"))
     home, ns = work / "home", f"rd{uuid.uuid4().hex[:6]}"
     bootstrap = f"127.0.0.1:{free_port()}"
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")},
-        "ROLLSTREAM_HOME": str(home), "ROLLSTREAM_NAMESPACE": ns,
-        "ROLLSTREAM_KAFKA_BOOTSTRAP": bootstrap, "ROLLSTREAM_DEMO_STEPS": str(steps),
-        "ROLLSTREAM_DEMO_SINK": "false", "ROLLSTREAM_DEMO_MAX_MINUTES": "90",
-    }  # fmt: skip
-    out: dict[str, Any] = {"bench": "retrain-demo", "machine": platform.machine(),
-                           "cpus": os.cpu_count(), "demo_steps": steps}  # fmt: skip
+        "ROLLSTREAM_HOME": str(home),
+        "ROLLSTREAM_NAMESPACE": ns,
+        "ROLLSTREAM_KAFKA_BOOTSTRAP": bootstrap,
+        "ROLLSTREAM_DEMO_STEPS": str(steps or DEMO_STEPS_UNBOUNDED),
+        "ROLLSTREAM_DEMO_SINK": "false",
+        "ROLLSTREAM_DEMO_MAX_MINUTES": "90",
+    }
+    out: dict[str, Any] = {
+        "bench": "retrain-demo",
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg()[0],
+    }
+    out.update({"demo_steps": steps} if steps else {"demo_rollouts": rollouts})
     cli = [sys.executable, "-m", "rollstream.infra.cli"]
+    source = CommonSettings(kafka_bootstrap=bootstrap, namespace=ns, home=home)
     try:
-        say(f"demo: {steps} policy versions in {home} ...")
         t0 = time.monotonic()
         with open(work / "demo.out", "wb") as log:
-            rc = subprocess.run([*cli, "demo"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        assert rc.returncode == 0, (work / "demo.out").read_text()[-3000:]
-        summary = json.loads((home / ns / "demo-summary.json").read_text())
-        out["demo"] = {"wall_s": round(time.monotonic() - t0, 1), "loop_s": summary["loop_s"],
-                       "rollouts": summary["rollouts"], "steps": summary["steps"]}  # fmt: skip
+            if steps:
+                say(f"demo: {steps} policy versions in {home} ...")
+                rc = subprocess.run([*cli, "demo"], env=env, stdout=log, stderr=subprocess.STDOUT)
+                assert rc.returncode == 0, (work / "demo.out").read_text()[-3000:]
+                summary = json.loads((home / ns / "demo-summary.json").read_text())
+                loop_s = summary["loop_s"]
+                out["demo"] = {
+                    "wall_s": round(time.monotonic() - t0, 1),
+                    "loop_s": loop_s,
+                    "rollouts": summary["rollouts"],
+                    "steps": summary["steps"],
+                }
+            else:
+                assert rollouts is not None
+                out["demo"] = demo_until(cli, env, source, rollouts, log, work)
+                loop_s = out["demo"]["loop_s"]
+        out["load_after_demo"] = os.getloadavg()[0]
         say(f"demo: {out['demo']}")
-        source = CommonSettings(kafka_bootstrap=bootstrap, namespace=ns, home=home)
         ckpt = home / ns / "checkpoints"
         last_step = max(int(p.name.removeprefix("step-")) for p in ckpt.glob("step-*"))
+        # the versions the demo published: a step committed after the stop whose PolicyVersion
+        # was not delivered (the trainer's 3 s stop budget) is not retrained
+        published = out["demo"].get("last_version", last_step)
+        if published < last_step:
+            say(f"step {last_step} committed but not published: retraining 1..{published}")
         for mode, rebuild in (("copy", False), ("rebuild", True)):
             target = f"{ns}{mode[0]}"
             t0 = time.monotonic()
             r = retrain(
                 RetrainSettings(
-                    kafka_bootstrap=bootstrap, namespace=ns, home=home, replay_to=target,
-                    replay_progress=False, retrain_run=f"{ns}-run", retrain_rebuild=rebuild,
+                    kafka_bootstrap=bootstrap,
+                    namespace=ns,
+                    home=home,
+                    replay_to=target,
+                    replay_progress=False,
+                    retrain_run=f"{ns}-run",
+                    retrain_rebuild=rebuild,
                     retrain_idle_s=1.0,
+                    retrain_max_steps=published,
                 )
-            )  # fmt: skip
+            )
             wall = time.monotonic() - t0
-            step_dir = f"step-{last_step:08d}"
+            common = last_common_step(ckpt, home / target / "checkpoints")
             out[f"retrain_{mode}"] = {
                 "wall_s": round(wall, 2),
-                "over_demo_loop": round(wall / summary["loop_s"], 3),
+                "over_demo_loop": round(wall / loop_s, 3),
                 "stages_s": {k: round(v, 2) for k, v in r.seconds.items()},
-                "events": r.events_replayed, "steps": r.steps_trained, "follow": r.follow,
-                "bit_equal": last_checkpoints_equal(
-                    ckpt / step_dir, home / target / "checkpoints" / step_dir
+                "events": r.events_replayed,
+                "samples": r.samples_built,
+                "steps": r.steps_trained,
+                "follow": r.follow,
+                "compared_step": common,
+                "bit_equal": common == published
+                and last_checkpoints_equal(
+                    ckpt / f"step-{common:08d}",
+                    home / target / "checkpoints" / f"step-{common:08d}",
                 ),
-            }  # fmt: skip
+            }
             if rebuild:
-                out[f"retrain_{mode}"]["batch_events_per_s"] = round(
-                    r.events_replayed / r.seconds["samples"]
-                )
+                s = r.seconds["samples"]
+                out[f"retrain_{mode}"]["batch_events_per_s"] = round(r.events_replayed / s)
+                out[f"retrain_{mode}"]["batch_samples_per_s"] = round(r.samples_built / s)
             say(f"retrain ({mode}): {out[f'retrain_{mode}']}")
-        del source
+        out["load_after"] = os.getloadavg()[0]
     finally:
         subprocess.run([*cli, "down"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def last_common_step(a: Path, b: Path) -> int:
+    """The newest step directory both checkpoint dirs hold (-1: none)."""
+
+    def steps(d: Path) -> set[int]:
+        return {int(p.name.removeprefix("step-")) for p in d.glob("step-*") if p.is_dir()}
+
+    return max(steps(a) & steps(b), default=-1)
+
+
+def demo_until(
+    cli: list[str],
+    env: dict[str, str],
+    source: CommonSettings,
+    rollouts: int,
+    log: Any,
+    work: Path,
+) -> dict[str, Any]:
+    """``rollstream demo`` until ``rollouts`` rollouts of its run have a RolloutFinished on the
+    events topic, then SIGINT to its process group (the demo alone: each service and the broker
+    run in sessions of their own). The demo's ``finally`` stops its services (SIGTERM): the
+    trainer returns after the step in flight, commits its checkpoint (written to a temp dir and
+    renamed, so a checkpoint is whole or absent) and publishes its PolicyVersion. SIGTERM would
+    end the demo's Python process without its ``finally`` and leave the services running.
+
+    The loop time is the original's time to train what the retrain trains: from the first job
+    (its record's ``at``) to the last PolicyVersion's timestamp on the policy topic."""
+    say(f"demo: until {rollouts} rollouts finished, in {source.home} ...")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [*cli, "demo"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    counter = FinishedCounter(source)
+    out_path = work / "demo.out"
+    finished, shown = 0, 0.0
+    try:
+        while finished < rollouts:
+            assert proc.poll() is None, (
+                f"demo exited ({proc.returncode}) at {finished} rollouts:\n"
+                + out_path.read_text(errors="replace")[-3000:]
+            )
+            if counter.consumer is None and b"kafka ready" not in out_path.read_bytes():
+                time.sleep(0.5)  # the demo's broker is not up yet
+                continue
+            finished = counter.poll(0.5)
+            if time.monotonic() - shown > 30:
+                shown = time.monotonic()
+                say(f"demo: {finished} rollouts finished, {shown - t0:.0f} s")
+        stop_wall = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:  # the bench failed or was interrupted: stop the demo all the same
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        counter.close()
+    jobs = [j for j in read_jobs(source) if j.type == "submitted"]
+    first_job = min(j.at for j in jobs)
+    codec = Codec()
+    versions = [
+        (codec.decode(m.value(), expect=PolicyVersion).version, m.timestamp()[1] / 1000)
+        for m in _read_all(source, source.topics().policy)
+    ]
+    last_version, last_ts = max(versions)
+    events = _read_all(source, source.topics().events)
+    done = {
+        e.rollout_id
+        for e in map(codec.decode, (m.value() for m in events))
+        if isinstance(e.body, RolloutFinished)
+    }
+    return {
+        "wall_s": round(time.monotonic() - t0, 1),
+        "exit": rc,
+        "finished_at_stop": finished,
+        "finished_on_log": len(done),
+        "events": len(events),
+        "jobs": len(jobs),
+        "stop_s": round(stop_wall - first_job, 2),
+        "loop_s": round(last_ts - first_job, 2),
+        "last_version": last_version,
+        "versions_after_stop": sum(ts > stop_wall for _, ts in versions),
+    }
 
 
 def main() -> None:
@@ -233,10 +449,14 @@ def main() -> None:
     ap.add_argument("--bootstrap", help="use this Kafka instead of starting one")
     ap.add_argument("--rollouts", type=int)
     ap.add_argument("--batch-samples", type=int, default=8)
-    ap.add_argument("--demo-steps", type=int, help="retrain a recorded demo run of N versions")
+    demo = ap.add_mutually_exclusive_group()
+    demo.add_argument("--demo-steps", type=int, help="retrain a recorded demo run of N versions")
+    demo.add_argument(
+        "--demo-rollouts", type=int, help="retrain a demo run stopped at N finished rollouts"
+    )
     args = ap.parse_args()
-    if args.demo_steps:
-        print(json.dumps(demo_run(args.demo_steps)))
+    if args.demo_steps or args.demo_rollouts:
+        print(json.dumps(demo_run(args.demo_steps, args.demo_rollouts)))
         return
     n = args.rollouts or (32 if args.quick else 512)
     work = Path(tempfile.mkdtemp(prefix="bench-retrain-"))

@@ -61,19 +61,30 @@ class GroupBook(Book):
         self.closed: dict[str, Slot[GroupState]] = {}
 
     def on_record(
-        self, partition: int, offset: int, key: bytes | None, value: bytes | None, wall_us: int
+        self,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        wall_us: int,
+        decoded: Trajectory | None = None,
     ) -> Step:
+        """``decoded``: the record's Trajectory, already at hand (the batch path: the one the
+        builder encoded into ``value``), so it is not decoded again."""
         step = Step(partition)
         tally(self.stats, "records")
-        try:
-            if value is None:
-                raise DecodeError("a record with no value", b"")
-            trajectory: Trajectory = self.codec.decode(value, expect=Trajectory)
-        except DecodeError as exc:
-            step.sends.append(
-                self._dlq(key, value, CODE_UNDECODABLE, exc.reason, partition, offset)
-            )
-            return step
+        if decoded is not None and value is not None:
+            trajectory = decoded
+        else:
+            try:
+                if value is None:
+                    raise DecodeError("a record with no value", b"")
+                trajectory = self.codec.decode(value, expect=Trajectory)
+            except DecodeError as exc:
+                step.sends.append(
+                    self._dlq(key, value, CODE_UNDECODABLE, exc.reason, partition, offset)
+                )
+                return step
         gid, rid = trajectory.group_id, trajectory.rollout_id
         if self.route is not None and (home := self.route(gid)) != partition:
             reason = f"trajectory of group {gid!r} on partition {partition}, its group's is {home}"
@@ -91,7 +102,8 @@ class GroupBook(Book):
         current = (trajectory, key, value, offset)
         step.sends = [s for o in outputs for s in self._outs(o, slot, current)]
         if was_open and not known and (rid in state.trajectories or rid in state.closed_rollouts):
-            step.writes.append((traj_key(partition, gid, rid), pack(offset, value)))
+            if self.tables:
+                step.writes.append((traj_key(partition, gid, rid), pack(offset, value)))
             slot.offsets[rid] = offset
         if was_open and state.closed:
             self._close(step, gid, slot)

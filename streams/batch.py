@@ -7,7 +7,9 @@ and dead letters the faust processor would produce for them out, without faust o
 
 It drives the books of the faust agents themselves (``RolloutBook``, ``GroupBook``: the same
 ``apply`` / ``add_to_group`` / ``expire`` calls, the same ``Out`` records: keys, value bytes,
-headers, partitions), leaving out only their table writes (a batch job has nothing to recover).
+headers, partitions), leaving out only their table bookkeeping (``Book.tables`` False: a batch
+job has nothing to recover) and, in one process, the aggregator's decoding of each trajectory:
+it gets the Trajectory the builder encoded into the record (``GroupBook.on_record(decoded=)``).
 What the faust path leaves to timing, the batch path fixes as follows (times are event time):
 
 - Ideal timers: the faust timer runs every ``proc_timer_interval_s``; here the timeouts and
@@ -47,12 +49,13 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from rollstream.schemas import Codec, Event
+from rollstream.schemas import Codec, Event, Trajectory
+from rollstream.streams.core import RolloutOutput, RolloutState  # as books.py names them
 
 from .aggregation import GroupBook
-from .books import GROUP_HEADER, Out, PartitionClock, RolloutBook, Route, Sink, Step, tally
+from .books import GROUP_HEADER, Out, PartitionClock, RolloutBook, Route, Sink, Slot, Step, tally
 from .core import (
     BuilderConfig,
     GroupConfig,
@@ -159,13 +162,39 @@ def _run(step: Step, outs: list[Out]) -> bool:
     return False
 
 
+class _BatchRolloutBook(RolloutBook):
+    """A RolloutBook without tables that keeps each Trajectory it encodes beside its record
+    (``made``: id of the Out -> the Trajectory), so the aggregator need not decode it again."""
+
+    tables = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.made: dict[int, Trajectory] = {}
+
+    def _out(
+        self,
+        output: RolloutOutput,
+        slot: Slot[RolloutState],
+        event: Event | None,
+        key: bytes | None,
+        value: bytes,
+        offset: int,
+    ) -> Out:
+        out = super()._out(output, slot, event, key, value, offset)
+        if out.sink is Sink.TRAJECTORIES:
+            assert isinstance(output, Trajectory)
+            self.made[id(out)] = output
+        return out
+
+
 class _BuilderLane:
     """The trajectory builder of one source partition, with ideal timers."""
 
     def __init__(self, partition: int, config: BatchConfig, codec: Codec) -> None:
         self.partition = partition
         self.config = config.builder
-        self.book = RolloutBook(
+        self.book = _BatchRolloutBook(
             config.builder,
             codec,
             source_topic=config.events_topic,
@@ -257,6 +286,7 @@ class _GroupLane:
             processor=config.processor,
             route=config.route,
         )
+        self.book.tables = False
         self.book.clock = config.clock()
         self.timeout = config.groups.timeout_us
         self.due: list[tuple[int, str]] = []  # (opened_ts + timeout, group_id)
@@ -266,8 +296,9 @@ class _GroupLane:
         self.expired_at_end = 0  # ... after the end of the input
         self.delivered = 0
 
-    def deliver(self, out: Out, wall: int, outs: list[Out]) -> None:
-        """A trajectory arrives (after the timers due by ``wall`` ran)."""
+    def deliver(self, out: Out, made: Trajectory | None, wall: int, outs: list[Out]) -> None:
+        """A trajectory arrives (after the timers due by ``wall`` ran); ``made``: the
+        Trajectory ``out`` holds encoded (None: decoded from ``out.value``)."""
         self.advance(wall, outs)
         book, gid = self.book, dict(out.headers)[GROUP_HEADER].decode()
         self.delivered += 1
@@ -278,7 +309,7 @@ class _GroupLane:
             now = book.clock.now(slot.partition, wall)
             if should_evict_group(slot.state, now, self.config):
                 self._expire(wall, outs)
-        _run(book.on_record(self.partition, -1, out.key, out.value, wall), outs)
+        _run(book.on_record(self.partition, -1, out.key, out.value, wall, made), outs)
         slot = book.open.get(gid)
         if slot is not None and slot.state.trajectories:
             deadline = slot.state.opened_ts + self.timeout
@@ -349,7 +380,8 @@ class BatchProcessor:
         self.builders: dict[int, _BuilderLane] = {}
         self.groups: dict[int, _GroupLane] = {}
         self.unfinished: set[int] | None = None if partitions is None else set(partitions)
-        self.waiting: list[tuple[int, int, int, Out]] = []  # (made at, partition, n, out)
+        # (made at, partition, n, out, its Trajectory)
+        self.waiting: list[tuple[int, int, int, Out, Trajectory]] = []
         self._made = itertools.count()
         self._blocker: int | None = None  # the partition the first waiting one waits for
         self.records = 0
@@ -371,7 +403,8 @@ class BatchProcessor:
         made = False
         for out in outs:
             if out.sink is Sink.TRAJECTORIES:
-                heapq.heappush(self.waiting, (now, p, next(self._made), out))
+                trajectory = lane.book.made.pop(id(out))
+                heapq.heappush(self.waiting, (now, p, next(self._made), out, trajectory))
                 made = True
         # what waits can go when the partition that held it back moved, or a new one came
         if self.waiting and (made or self._blocker in (None, p)):
@@ -392,16 +425,18 @@ class BatchProcessor:
         outs: list[Out] = []
         self.unfinished = set()
         self._release(outs)
-        made: list[tuple[int, int, int, Out]] = []  # (wall since the end, partition, n, out)
+        # (wall since the end, partition, n, out, its Trajectory)
+        made: list[tuple[int, int, int, Out, Trajectory]] = []
         for p in sorted(self.builders):
+            book = self.builders[p].book
             for delta, sent in self.builders[p].drain():
                 for out in sent:
                     if out.sink is Sink.TRAJECTORIES:
-                        made.append((delta, p, next(self._made), out))
+                        made.append((delta, p, next(self._made), out, book.made.pop(id(out))))
                 outs += sent
         made.sort(key=lambda m: m[:3])
-        for delta, _, _, out in made:
-            self._group_lane(out).deliver(out, _WALL0 + delta, outs)
+        for delta, _, _, out, trajectory in made:
+            self._group_lane(out).deliver(out, trajectory, _WALL0 + delta, outs)
         for lane in self.groups.values():
             lane.advance(1 << 62, outs)
         self.finished = True
@@ -442,8 +477,8 @@ class BatchProcessor:
                 if p != partition and (c < at or (c == at and p < partition)):
                     self._blocker = p
                     return
-            out = heapq.heappop(waiting)[3]
-            self._group_lane(out).deliver(out, _WALL0, outs)
+            _, _, _, out, trajectory = heapq.heappop(waiting)
+            self._group_lane(out).deliver(out, trajectory, _WALL0, outs)
 
     def _clock(self, partition: int) -> int:
         lane = self.builders.get(partition)

@@ -216,9 +216,12 @@ class Slot(Generic[S]):
 
 
 class Book:
-    """What the stages share: the codec, the clock, counters, DLQ records."""
+    """What the stages share: the codec, the clock, counters, DLQ records. ``tables`` False
+    (the batch path, which has no table): steps carry no ``writes`` or ``deferred``; their
+    sends, ``on_done`` and the books' states are the same."""
 
     stage = ""
+    tables = True
 
     def __init__(self, codec: Codec, source_topic: str, processor: str) -> None:
         self.codec = codec
@@ -257,8 +260,9 @@ class Book:
         """Close a rollout or group: once the step's sends are acknowledged, write its state as
         the closed marker and delete its members' entries; open -> closed."""
         partition = slot.partition
-        step.deferred.append((closed_key(partition, ident), state_to_bytes(slot.state)))
-        step.deferred += [(self._member_key(partition, ident, m), None) for m in slot.offsets]
+        if self.tables:
+            step.deferred.append((closed_key(partition, ident), state_to_bytes(slot.state)))
+            step.deferred += [(self._member_key(partition, ident, m), None) for m in slot.offsets]
         slot.offsets = {}
         step.on_done = self._mark_done(slot)
         del self.open[ident]
@@ -328,7 +332,8 @@ class RolloutBook(Book):
         step.sends = [self._out(o, slot, event, key, value, offset) for o in outputs]
         closing = was_open and state.phase in _TERMINAL
         if was_open and not known and _holds(state, event):
-            step.writes.append((_event_key(partition, rid, seq), pack(offset, value)))
+            if self.tables:
+                step.writes.append((_event_key(partition, rid, seq), pack(offset, value)))
             slot.offsets[seq] = offset
             # a DLQ record of a rollout that stays open is not sent again by a rebuild
             step.barrier = bool(step.sends) and not closing
