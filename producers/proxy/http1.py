@@ -391,14 +391,18 @@ def _content_length(value: bytes, seen: int | None) -> int:
     return length
 
 
+def _chunk_size(line: bytes) -> int:
+    """The size of a chunk from its size line (extensions ignored); ``_bad`` if none."""
+    size_text = line[:-2].split(b";", 1)[0].strip()
+    if _HEX.fullmatch(size_text) is None:
+        raise _bad(f"bad chunk size {line[:40]!r}")
+    return int(size_text, 16)
+
+
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     parts = []
     while True:
-        line = await reader.readuntil(b"\r\n")
-        size_text = line[:-2].split(b";", 1)[0].strip()
-        if _HEX.fullmatch(size_text) is None:
-            raise _bad(f"bad chunk size {line[:40]!r}")
-        size = int(size_text, 16)
+        size = _chunk_size(await reader.readuntil(b"\r\n"))
         if size == 0:
             break
         data = await reader.readexactly(size + 2)
@@ -486,11 +490,7 @@ class _BodyReader:
                 while True:
                     try:
                         with deadline:  # one deadline per chunk: its line and data
-                            line = await reader.readuntil(b"\r\n")
-                            size_text = line[:-2].split(b";", 1)[0].strip()
-                            if _HEX.fullmatch(size_text) is None:
-                                raise _bad(f"bad chunk size {line[:40]!r}")
-                            size = int(size_text, 16)
+                            size = _chunk_size(await reader.readuntil(b"\r\n"))
                             if size == 0:
                                 break
                             data = await reader.readexactly(size + 2)
