@@ -13,6 +13,8 @@ calls it before committing offsets, so a record is never skipped without its dea
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message, Producer
 
@@ -78,12 +80,28 @@ class DeadLetters:
             "dead-lettered %s[%s]@%s (%s): %s", msg.topic(), partition, offset, code, reason
         )
 
-    def finish(self, timeout: float = 30.0) -> None:
+    def finish(
+        self,
+        timeout: float = 30.0,
+        *,
+        stopping: Callable[[], bool] = lambda: False,
+        stop_wait: float = 5.0,
+    ) -> None:
         """Wait until every dead letter sent so far is acknowledged; DeadLetterError if one
-        was not (or ``timeout`` passed)."""
+        was not (or ``timeout`` passed). ``stopping()`` is asked every 0.5 s: once it is true,
+        the wait ends within ``stop_wait`` s (a stop during a long wait shortens it)."""
         if self.sent == 0:
             return
-        left = self._producer.flush(timeout)
+        deadline = time.monotonic() + timeout
+        cut = False
+        left = len(self._producer)
+        while left:
+            now = time.monotonic()
+            if not cut and stopping():
+                cut, deadline = True, min(deadline, now + stop_wait)
+            if now >= deadline:
+                break
+            left = self._producer.flush(min(deadline - now, 0.5))
         if left or self._errors:
             errors, self._errors = self._errors, []
             raise DeadLetterError(

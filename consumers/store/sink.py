@@ -361,7 +361,9 @@ class Sink:
         offsets = self._done_offsets()
         for b, _ in partial:
             offsets[(b.topic, b.partition)] = (b.first, f"{INTENT_PREFIX}{b.last}")
-        self._dead_letters.finish(self._dlq_timeout)
+        self._dead_letters.finish(
+            self._dlq_timeout, stopping=self._stop.is_set, stop_wait=STOP_DLQ_TIMEOUT_S
+        )
         if not self._commit(offsets):
             return  # a rebalance is coming: partial batches are not stored without an intent
         self.stats.intents += len(partial)
@@ -387,7 +389,9 @@ class Sink:
         offsets = self._done_offsets()
         if offsets:
             try:
-                self._dead_letters.finish(self._dlq_timeout)
+                self._dead_letters.finish(
+                    self._dlq_timeout, stopping=self._stop.is_set, stop_wait=STOP_DLQ_TIMEOUT_S
+                )
             except DeadLetterError:
                 log.warning("not committed: %s", _listed(offsets))
                 raise
