@@ -137,27 +137,24 @@ class JobKeys:
     def key(self, job_id: str, *, renew: bool = False) -> str | None:
         """The job's token (``renew``: a fresh one), or the evaluator key (module docstring).
         Raises RolloutCallError when the proxy gives none (no answer, a refusal)."""
-        with self._lock:
+        with self._lock:  # held while minting: a job's first calls in parallel mint once
             if self.no_route:
                 return self._evaluator_key
             token = None if renew else self._tokens.get(job_id)
             if token is not None:
                 self._tokens.move_to_end(job_id)
                 return token
-        try:
-            token = self.proxy.evaluator_token(job_id)
-        except RolloutCallError as exc:
-            if exc.status != 404:
-                raise
-            with self._lock:
-                if not self.no_route:
-                    log.warning(
-                        "the proxy has no evaluator-token route (an older proxy): the EVAL "
-                        "stage posts rewards and finishes with the evaluator key itself"
-                    )
+            try:
+                token = self.proxy.evaluator_token(job_id)
+            except RolloutCallError as exc:
+                if exc.status != 404:
+                    raise
+                log.warning(
+                    "the proxy has no evaluator-token route (an older proxy): the EVAL "
+                    "stage posts rewards and finishes with the evaluator key itself"
+                )
                 self.no_route = True
-            return self._evaluator_key
-        with self._lock:
+                return self._evaluator_key
             self._tokens[job_id] = token
             self._tokens.move_to_end(job_id)
             while len(self._tokens) > self.max_jobs:
