@@ -80,7 +80,8 @@ to its temp dir, not committed), ``committed`` (committed, not published), ``pub
 
 Settings: ``settings.TrainerSettings``; the step (model, optimizer, ``train_step``): step.py;
 both re-exported here, as is ``last_published_version`` of the policy topic (publisher.py:
-``PolicyPublisher`` publishes each committed step's PolicyVersion). ``rollstream train`` runs ``main``.
+``PolicyPublisher`` publishes each committed step's PolicyVersion). ``rollstream train`` runs
+``main``.
 
 Errors (rollstream.consumers.errors): ``TrainerError`` (a PolicyVersion that could not be
 published, a bad setting); also raised through run: ``CheckpointError``, ``SourceError``.
