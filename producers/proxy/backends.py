@@ -120,6 +120,9 @@ class Completion:
     backend: str = ""
     model: str = ""
     latency_s: float = 0.0
+    # a completion generated across interrupting weight updates (BackendPool, interrupt mode):
+    # (token count, policy version) of each part, in order; empty: one part, ``policy_version``
+    parts: tuple[tuple[int, int], ...] = ()
 
 
 def _error_message(response: httpx.Response | bytes) -> str:

@@ -97,7 +97,8 @@ _LIFECYCLE = _schema(
     )},
 )  # fmt: skip
 _OTLP = _schema("", resourceSpans=_LIST)  # OTLP/JSON; protobuf: the same message
-_WEIGHTS = _schema("path version", path=_S, version=_int(0, POLICY_VERSION_MAX))
+_WEIGHTS = _schema("path version", path=_S, version=_int(0, POLICY_VERSION_MAX),
+                   mode={"enum": ["drain", "interrupt"]})  # fmt: skip
 _JOB = _schema("tasks agent", job_id=_S, tasks=_OBJ, samples_per_task=_I, agent=_OBJ,
                sandbox=_OBJ, evaluator=_OBJ, timeouts=_OBJ, attempts=_I, run_id=_S,
                policy=_S)  # fmt: skip
@@ -159,7 +160,8 @@ _ROUTES: list[tuple[str, str, str, str | None, dict[str, Any] | None, str]] = [
     ("/v1/admin/drain", "post", "wait for in-flight calls (?timeout=seconds)", "adminKey", None,
      _ADMIN),
     ("/v1/admin/resume", "post", "serve again", "adminKey", None, _ADMIN),
-    ("/v1/admin/update_weights", "post", "pause, drain, reload every backend, resume",
+    ("/v1/admin/update_weights", "post",
+     "pause, drain (or cut the generations in flight: mode interrupt), reload, resume",
      "adminKey", _WEIGHTS, "400 401 503"),
     ("/v1/admin/status", "get", "backends, pool and delivery counters", "adminKey", None, _ADMIN),
     ("/health", "get", "ok while a backend is healthy, 503 (degraded) while none is", None, None,

@@ -606,22 +606,38 @@ class Proxy:
         tool_results: list[ToolResult],
     ) -> None:
         """Step 6: the tool results, then the LlmCall, through the rollout's handle (409 when
-        the rollout was finished while the call ran)."""
+        the rollout was finished while the call ran). A completion cut by interrupting weight
+        updates (``out.parts``) is one LlmCall per part, each extending the one before (its
+        prompt is the prompt and the tokens so far, finish_reason "abort" but the last), so
+        every token is on the log with the version that sampled it; ``call_id`` is the last."""
         self._record_tool_results(ro, tool_results)
-        ro.calls += 1
+        ro.calls += max(1, len(out.parts))
         ro.drift_tokens += drift
         try:
+            start = 0
+            for n, version in out.parts[:-1]:
+                ro.handle.llm_call(
+                    np.concatenate([prompt, out.token_ids[:start]]) if start else prompt,
+                    out.token_ids[start : start + n],
+                    out.logprobs[start : start + n],
+                    finish_reason="abort",
+                    model=out.model or self.model,
+                    backend=out.backend,
+                    policy_version=version,
+                    drift_tokens=drift if start == 0 else 0,
+                )
+                start += n
             ro.handle.llm_call(
-                prompt,
-                out.token_ids,
-                out.logprobs,
+                np.concatenate([prompt, out.token_ids[:start]]) if start else prompt,
+                out.token_ids[start:],
+                out.logprobs[start:],
                 call_id=call_id,
                 finish_reason=out.finish_reason,
                 model=out.model or self.model,
                 backend=out.backend,
                 policy_version=out.policy_version,
                 latency_ms=out.latency_s * 1000.0,
-                drift_tokens=drift,
+                drift_tokens=0 if start else drift,
             )
         except RecorderUsageError as exc:
             if ro.handle.finished:
@@ -695,8 +711,11 @@ class Proxy:
         version = number(body, "version", None, lo=0)
         if version is None:
             raise ApiError(400, "`version` is required", param="version")
+        mode = body.get("mode")
+        if mode is not None and mode not in ("drain", "interrupt"):
+            raise ApiError(400, "`mode` must be drain or interrupt", param="mode")
         try:
-            return json_answer(await self.pool.update_weights(path, version))
+            return json_answer(await self.pool.update_weights(path, version, mode))
         except PoolError as exc:
             raise ApiError(503, str(exc), code="update_failed") from exc
 
@@ -799,6 +818,7 @@ def build_pool(settings: ProxySettings) -> BackendPool:
         backend_wait_s=s.proxy_backend_wait_s,
         pause_wait_s=s.proxy_pause_wait_s,
         retry_after_s=s.proxy_retry_after_s,
+        weight_update_mode=s.proxy_weight_update_mode,
     )
 
 

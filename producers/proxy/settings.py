@@ -15,10 +15,13 @@ from pydantic_settings import NoDecode
 from rollstream.producers.proxy.tool_formats import ToolFormatSetting
 from rollstream.producers.sdk.settings import RecorderSettings
 
-__all__ = ["HttpClient", "ProxySettings"]
+__all__ = ["HttpClient", "ProxySettings", "WeightUpdateMode"]
 
 # The HTTP client of the per-call hop to the backends (bench/bench_proxy.py --http-client).
 HttpClient = Literal["http1", "aiohttp", "httpx"]
+# How a weight update treats the generations in flight (pool.py): wait for them, or cut them
+# and continue them on the new weights (partial rollouts).
+WeightUpdateMode = Literal["drain", "interrupt"]
 
 
 def _split_list(value: Any) -> Any:
@@ -74,6 +77,10 @@ class ProxySettings(RecorderSettings):
     proxy_rollout_idle_s: float = 3600.0  # rollouts idle this long are finished (timeout)
     proxy_log_level: str = "warning"
     proxy_follow_policy: bool = False  # consume policy.versions: pause, drain, reload, resume
+    # drain: a weight update waits for the generations in flight (each completion is of one
+    # policy version); interrupt: it cuts them and they go on under the new weights, each
+    # token recorded with its own version (partial rollouts; docs/proxy.md)
+    proxy_weight_update_mode: WeightUpdateMode = "drain"
     # rate limit per rollout token (its model calls and rollout API requests; admin keys are not
     # limited): a token bucket (ratelimit.py); over it, 429 rate_limit_exceeded + Retry-After
     proxy_rate_limit_rps: float = Field(20.0, ge=0, le=1e5)  # requests/s per token; 0: no limit

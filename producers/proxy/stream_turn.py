@@ -102,6 +102,10 @@ class StreamedTurn:
         self._chunks, self._record, self._fail, self._started = chunks, record, fail, started
         self.backend = first.backend
         self.policy_version = first.policy_version or 0
+        # parts before an interrupting weight update: (token count, policy version) each
+        self.parts: list[tuple[int, int]] = []
+        self._part_start = 0
+        self._new_part = False
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.tops: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
@@ -189,10 +193,18 @@ class StreamedTurn:
         return chunk.stop_reason is not None and chunk.stop_reason in self.turn.stop_token_ids
 
     def _take(self, chunk: TokenChunk) -> None:
+        if self._new_part:  # a continuation's first chunk: the pool names its policy version
+            self._new_part = False
+            if chunk.policy_version is not None:
+                self.policy_version = chunk.policy_version
         self.ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         if self.tops is not None:
             self.tops += chunk.top_logprobs or [[] for _ in chunk.token_ids]
+        if chunk.part_end:
+            if len(self.ids) > self._part_start:  # a part cut before its first token: none
+                self.parts.append((len(self.ids) - self._part_start, self.policy_version))
+            self._part_start, self._new_part = len(self.ids), True
 
     def _finish(self, last: TokenChunk) -> None:
         """Steps 5 and 6 on the whole reply: read (tool calls, memory) and record."""
@@ -207,6 +219,11 @@ class StreamedTurn:
             backend=self.backend,
             model=self.model,
             latency_s=time.perf_counter() - self._started,
+            parts=(
+                (*self.parts, (len(self.ids) - self._part_start, self.policy_version))
+                if self.parts
+                else ()
+            ),
         )
         reply = read_reply(
             self.chat,

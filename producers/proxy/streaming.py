@@ -87,6 +87,9 @@ class TokenChunk:
     policy_version: int | None = None
     model: str | None = None
     backend: str = ""  # set on the first chunk by the backend client
+    # set by BackendPool on the last chunk before an interrupting weight update: the tokens
+    # after it come from a continuation under the new policy (its first chunk names it)
+    part_end: bool = False
 
 
 def _token_id(t: Any) -> int:

@@ -864,3 +864,101 @@ def test_top_logprobs_response_format_and_tool_choice(
     calls = calls_of(by_rollout(consume(kafka_settings))[ro["rollout_id"]])
     assert len(calls) == 2  # the refused requests are not recorded
     assert calls[0].completion_logprobs.tolist() == pytest.approx([e.logprob for e in content])
+
+
+def test_interrupting_weight_update_continues_calls_on_the_new_weights(
+    kafka_settings: CommonSettings, tmp_path: Path, model_dir: Path, model_server: str
+) -> None:
+    """``proxy_weight_update_mode=interrupt``: an update cuts the generations in flight (the
+    reference server pauses with mode=abort) and each goes on under the new weights. The client
+    gets one whole answer (max_tokens tokens, plain or streamed); the log holds one LlmCall per
+    part, the later extending the earlier, each with its version; the stream core builds one
+    sample whose tokens carry both versions."""
+    from rollstream.schemas import Trajectory
+    from rollstream.streams.core.samples import SampleConfig, build_samples
+    from rollstream.streams.core.trajectory import apply
+
+    settings = proxy_settings(
+        kafka_settings, tmp_path, model_dir, [model_server], proxy_weight_update_mode="interrupt"
+    )
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    n_plain, n_streamed, max_tokens = 6, 3, 400
+    with running_proxy(settings) as (url, recorder, proxy):
+        old = proxy.pool.policy_version
+        rollouts = [create_rollout(url, task_id=f"i{i}") for i in range(n_plain + n_streamed)]
+
+        async def plain(ro: dict[str, Any]) -> tuple[int, str]:
+            client = openai.AsyncOpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "go on"}],
+                max_tokens=max_tokens, extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            await client.close()
+            return len(r.choices[0].model_extra["token_ids"]), r.choices[0].finish_reason
+
+        async def streamed(ro: dict[str, Any]) -> tuple[int, str]:
+            client = openai.AsyncOpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "go on"}],
+                max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            finish, tokens = "", 0
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            await client.close()
+            return tokens, finish
+
+        async def main() -> tuple[list[tuple[int, str]], dict[str, Any]]:
+            tasks = [asyncio.create_task(plain(ro)) for ro in rollouts[:n_plain]]
+            tasks += [asyncio.create_task(streamed(ro)) for ro in rollouts[n_plain:]]
+            deadline = time.monotonic() + 30
+            while proxy.pool.inflight < len(tasks) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # some tokens of each generation are out
+            async with httpx.AsyncClient(base_url=url, headers=admin, timeout=60) as http:
+                r = await http.post("/v1/admin/update_weights",
+                                    json={"path": str(model_dir), "version": old + 1})  # fmt: skip
+                assert r.status_code == 200, r.text
+            return await asyncio.gather(*tasks), r.json()
+
+        answers, update = asyncio.run(main())
+        assert update["mode"] == "interrupt" and update["reloaded"] == 1
+        cut = proxy.pool.stats.interrupted
+        assert cut >= 1  # 400-token generations were in flight
+        for tokens, finish in answers:  # whole answers, cut or not
+            assert finish in ("stop", "length") and 0 < tokens <= max_tokens
+            assert finish == "stop" or tokens == max_tokens
+        for ro in rollouts:
+            proxy.rollouts.finish(ro["rollout_id"], "completed")
+        assert recorder.flush(30)
+
+    grouped = by_rollout(consume(kafka_settings))
+    split = 0
+    for ro in rollouts:
+        events = grouped[ro["rollout_id"]]
+        calls = calls_of(events)
+        prompts = assert_append_only(calls)
+        if len(calls) == 1:
+            continue
+        split += 1
+        parts = calls[:-1]
+        assert [c.finish_reason for c in parts] == ["abort"] * len(parts)
+        assert [c.policy_version for c in calls] == [old] * len(parts) + [old + 1]
+        for before, after, prompt in zip(calls, calls[1:], prompts[1:], strict=False):
+            assert after.parent_call_id == before.call_id and len(after.prompt_delta) == 0
+            assert after.prefix_len == len(prompt)  # the earlier part's prompt and tokens
+        total = sum(len(c.completion_ids) for c in calls)
+        state, out = None, []
+        for e in events:
+            state, o = apply(state, e)
+            out += o
+        [t] = [o for o in out if isinstance(o, Trajectory)]
+        [sample] = build_samples(t, SampleConfig(mode="path"))
+        versions = sample.token_policy_versions[sample.loss_mask.astype(bool)]
+        assert len(versions) == total and sample.policy_version == old
+        assert versions[0] == old and versions[-1] == old + 1
+        assert sorted(sample.policy_versions) == [old, old + 1]
+    assert 1 <= split <= cut  # a cut call is on the log in parts (none if cut before a token)

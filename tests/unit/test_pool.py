@@ -33,6 +33,8 @@ class FakeServer:
         self.prompts: list[list[int]] = []
         self.reloads: list[tuple[str, int]] = []
         self.started = 0  # completions begun (before the delay)
+        self.cut: asyncio.Event | None = None  # set by POST /pause?mode=abort
+        self.max_tokens: list[int] = []
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if not self.alive:
@@ -42,6 +44,15 @@ class FakeServer:
             return httpx.Response(200)
         if path == "/v1/policy_version":
             return httpx.Response(200, json={"policy_version": self.version})
+        if path == "/pause":
+            assert request.url.params["mode"] == "abort"
+            self.cut = self.cut or asyncio.Event()
+            self.cut.set()
+            await asyncio.sleep(0.01)  # the running batch ends
+            return httpx.Response(200, json={})
+        if path == "/resume":
+            self.cut = None
+            return httpx.Response(200, json={})
         body = json.loads(request.content or b"{}")
         if path == "/v1/load_weights":
             await asyncio.sleep(0.01)
@@ -52,7 +63,20 @@ class FakeServer:
             return httpx.Response(200, json={"policy_version": self.version})
         assert path == "/v1/completions"
         self.started += 1
-        await asyncio.sleep(self.delay)
+        self.cut = self.cut or asyncio.Event()
+        try:  # a pause with mode=abort ends the generation now, with the token it has
+            await asyncio.wait_for(self.cut.wait(), self.delay)
+            ids = [7]
+            self.prompts.append(body["prompt"])
+            return httpx.Response(200, json={
+                "model": "m", "policy_version": self.version,
+                "choices": [{"token_ids": ids, "finish_reason": "abort",
+                             "logprobs": {"token_logprobs": [-0.25]}}],
+                "usage": {"prompt_tokens": len(body["prompt"])},
+            })  # fmt: skip
+        except TimeoutError:
+            pass
+        self.max_tokens.append(body.get("max_tokens"))
         if not self.alive:  # died while generating
             raise httpx.ReadError("connection reset", request=request)
         if self.status != 200:
@@ -470,6 +494,49 @@ def test_policy_watcher_applies_versions_and_dead_letters_undecodable_records() 
         )
         assert origin == ("policy.versions", "0", "5")
         assert headers["reason"] and headers["processor"].startswith("rollstream-proxy-policy-")
+        await pool.aclose()
+
+    run(main)
+
+
+def test_interrupting_update_cuts_the_generations_and_continues_them() -> None:
+    """mode interrupt: the update waits for no generation; a cut call goes on with its prompt
+    extended by the token it had and max_tokens reduced by it, on the new weights, and its
+    Completion says which tokens are of which version. An abort the pool did not cause comes
+    back as it is."""
+
+    async def main() -> None:
+        pool, (a, b) = make_pool(2, pause_wait_s=5.0, weight_update_mode="interrupt")
+        await pool.start()
+        a.delay = b.delay = 2.0
+        calls = [asyncio.create_task(pool.complete(f"r{i}", [1, 2], max_tokens=4))
+                 for i in range(2)]  # fmt: skip
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        a.delay = b.delay = 0.0
+        result = await pool.update_weights("/ckpt/3", 3)
+        assert time.monotonic() - t0 < 1.0  # it did not wait for the 2 s generations
+        assert result["mode"] == "interrupt" and result["reloaded"] == 2
+        for out in await asyncio.gather(*calls):
+            assert out.token_ids.tolist() == [7, 7, 8, 2] and out.finish_reason == "stop"
+            assert out.logprobs.tolist() == [-0.25, -0.5, -0.5, -0.5]
+            assert out.parts == ((1, 0), (3, 3)) and out.policy_version == 3
+        assert sorted(a.prompts + b.prompts) == [[1, 2], [1, 2], [1, 2, 7], [1, 2, 7]]
+        assert a.max_tokens + b.max_tokens == [3, 3]
+        assert pool.stats.interrupted == 2 and not pool.paused
+        # the backend aborted by someone else (no update of the pool's): returned as it is
+        a.delay = b.delay = 2.0
+        call = asyncio.create_task(pool.complete("r0", [1], max_tokens=4))
+        await asyncio.sleep(0.05)
+        for s in (a, b):
+            if s.cut is not None:
+                s.cut.set()
+        out = await call
+        assert out.finish_reason == "abort" and out.parts == () and out.token_ids.tolist() == [7]
+        with pytest.raises(PoolError):
+            await pool.update_weights("/ckpt/4", 4, "later")  # type: ignore[arg-type]
+        with pytest.raises(PoolError):
+            make_pool(1, weight_update_mode="sometimes")
         await pool.aclose()
 
     run(main)
