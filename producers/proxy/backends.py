@@ -684,8 +684,10 @@ class CompletionBackend:
 
     async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
         """Stop starting new generations (vLLM's ``POST /pause``); ``wait`` drains in-flight
-        ones first, ``abort`` ends them early with finish_reason "abort"."""
-        await self._request("POST", "/pause", params={"mode": mode}, admin=True)
+        ones first, ``abort`` ends them early with finish_reason "abort". vLLM releases that
+        name the choice ``wait_for_inflight_requests`` (false: abort) get it too."""
+        params = {"mode": mode, "wait_for_inflight_requests": "true" if mode == "wait" else "false"}
+        await self._request("POST", "/pause", params=params, admin=True)
         self._paused_by_caller = True
 
     async def resume(self) -> None:
@@ -708,7 +710,8 @@ class CompletionBackend:
             return self._version
         paused_here = not self._paused_by_caller
         if paused_here:
-            await self._request("POST", "/pause", params={"mode": "wait"}, admin=True)
+            params = {"mode": "wait", "wait_for_inflight_requests": "true"}
+            await self._request("POST", "/pause", params=params, admin=True)
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
             await self._request("POST", "/collective_rpc", json=rpc, admin=True)

@@ -175,7 +175,7 @@ def test_vllm_reload_pauses_reloads_versions_and_resumes() -> None:
 
     asyncio.run(main())
     assert rec.calls[:4] == [
-        ("POST", "/pause", {"mode": "wait"}, None),
+        ("POST", "/pause", {"mode": "wait", "wait_for_inflight_requests": "true"}, None),
         ("POST", "/collective_rpc", {},
          {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-7"}}),
         ("POST", "/update_weight_version", {}, {"new_version": "7"}),
@@ -207,7 +207,7 @@ def test_vllm_reload_inside_a_caller_pause_leaves_it_paused() -> None:
 
     asyncio.run(main())
     assert rec.paths() == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
-    assert rec.calls[0][2] == {"mode": "abort"}
+    assert rec.calls[0][2] == {"mode": "abort", "wait_for_inflight_requests": "false"}
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("12", 12), (None, 0), (3, 3)])
