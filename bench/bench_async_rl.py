@@ -21,8 +21,11 @@ Figures per mode (median over ``--runs``): seconds to the last policy version an
 speed-up over sync (what a user waits for ``--steps`` versions, the pipeline's filling
 included), seconds per step after the first version and its speed-up (steady state, what
 a long run converges to), staleness of the trained samples and the samples dropped as stale
-(from the trainer's checkpoint manifests), rollouts finished, and the mean reward of the
-rollouts generated under the last two versions (the reward at equal trainer steps).
+(from the trainer's checkpoint manifests), rollouts finished, the mean reward of the rollouts
+generated under the last two versions, and the reward at equal trainer steps measured on fixed
+draws: the last version's weights answer the demo's first turn for each task ``--eval-samples``
+times with the same prompts and seeds in every mode (``eval_policy``), so only the weights
+differ between modes, not the sampling luck of the rollouts the run happened to make.
 
     python bench/bench_async_rl.py [--quick] [--runs N] [--steps N] [--modes sync,async,...]
 """
@@ -46,6 +49,8 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from rollstream.consumers.training.checkpoint import CheckpointStore
+from rollstream.inference.tinymodel import SamplingParams, generate, load_model, stop_token_ids
+from rollstream.infra.demo.agent import SYSTEM, demo_tasks, digit_rewards
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.schemas import Codec, CommonSettings, Sample
 
@@ -74,6 +79,32 @@ def sample_versions(bootstrap: str, topic: str) -> dict[tuple[int, int], int]:
                     break
     consumer.close()
     return out
+
+
+def eval_policy(model_dir: Path, tasks: int, samples: int, max_tokens: int = 12) -> float:
+    """Mean reward (the demo's digit share) of the policy at ``model_dir`` answering the first
+    turn of each demo task ``samples`` times at temperature 1: prompts and seeds are fixed, so
+    two policies are compared on the same draws."""
+    import torch
+
+    model, tok = load_model(model_dir)
+    eos = stop_token_ids(tok)
+    prompts = []
+    for task in demo_tasks(tasks, 0):
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    jobs = [(p, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 * t + i))
+            for t, p in enumerate(prompts) for i in range(samples)]  # fmt: skip
+    rewards: list[float] = []
+    with torch.no_grad():
+        for i in range(0, len(jobs), 64):
+            chunk = jobs[i : i + 64]
+            results = generate(model, [p for p, _ in chunk], [sp for _, sp in chunk],
+                               eos_token_ids=eos, pad_token_id=tok.pad_token_id or 0)  # fmt: skip
+            texts = tok.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
+            rewards += digit_rewards(texts)
+    return statistics.fmean(rewards)
 
 
 def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -129,6 +160,10 @@ def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) ->
     version_s = {int(k): v for k, v in summary["version_s"].items()}
     if max(version_s, default=0) < args.steps:
         raise SystemExit(f"{mode}: policy {args.steps} not reached in {args.max_minutes} min")
+    latest = CheckpointStore(home / namespace / "checkpoints").latest()
+    if latest is None or latest.step != args.steps:
+        raise SystemExit(f"{mode}: the last checkpoint is not version {args.steps}")
+    eval_reward = eval_policy(latest.model_dir, args.tasks, args.eval_samples)
     rewards = {int(k): v for k, v in summary["mean_reward_by_version"].items()}
     last = sorted(v for v in rewards if v < args.steps)[-2:]
     first = min(v for v in version_s if v >= 1)
@@ -146,6 +181,7 @@ def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) ->
         "reward_last_versions": round(statistics.fmean(rewards[v] for v in last), 3)
         if last
         else None,
+        "eval_reward": round(eval_reward, 4),
     }
 
 
@@ -163,6 +199,12 @@ def main() -> None:
     ap.add_argument("--env-sigma", type=float, default=1.0)
     ap.add_argument("--env-max", type=float, default=20.0)
     ap.add_argument("--max-minutes", type=float, default=15.0)
+    ap.add_argument(
+        "--eval-samples",
+        type=int,
+        default=64,
+        help="fixed draws per task of the last version's policy (eval_reward)",
+    )
     ap.add_argument("--bootstrap")
     ap.add_argument("--keep", type=Path, help="copy each run's service logs here")
     args = ap.parse_args()
@@ -216,6 +258,8 @@ def main() -> None:
             "rollouts_median": statistics.median(r["rollouts"] for r in rs),
             "staleness": rs[-1]["staleness"],
             "reward_last_versions": [r["reward_last_versions"] for r in rs],
+            "eval_reward": [r["eval_reward"] for r in rs],
+            "eval_reward_median": statistics.median(r["eval_reward"] for r in rs),
         }
     if base:
         for mode in modes:
@@ -229,6 +273,7 @@ def main() -> None:
         print(
             f"{mode:18s} {m['to_last_version_s_median']:7.1f} s to v{args.steps}  "
             f"x{m.get('speedup_vs_sync', '-')}  stale dropped {m['stale_dropped_median']}  "
+            f"eval reward {m['eval_reward_median']:.3f}  "
             f"staleness {m['staleness']}"
         )
     print(json.dumps(result))

@@ -882,7 +882,7 @@ def test_interrupting_weight_update_continues_calls_on_the_new_weights(
         kafka_settings, tmp_path, model_dir, [model_server], proxy_weight_update_mode="interrupt"
     )
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    n_plain, n_streamed, max_tokens = 6, 3, 400
+    n_plain, n_streamed, max_tokens = 5, 5, 400
     with running_proxy(settings) as (url, recorder, proxy):
         old = proxy.pool.policy_version
         rollouts = [create_rollout(url, task_id=f"i{i}") for i in range(n_plain + n_streamed)]
@@ -896,14 +896,19 @@ def test_interrupting_weight_update_continues_calls_on_the_new_weights(
             await client.close()
             return len(r.choices[0].model_extra["token_ids"]), r.choices[0].finish_reason
 
+        midway: list[asyncio.Event] = []  # set once a stream is 10 chunks into its answer
+
         async def streamed(ro: dict[str, Any]) -> tuple[int, str]:
             client = openai.AsyncOpenAI(base_url=ro["base_url"], api_key=ro["token"], max_retries=0)
             stream = await client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "go on"}],
                 max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
             )  # fmt: skip
-            finish, tokens = "", 0
+            finish, tokens, chunks = "", 0, 0
             async for chunk in stream:
+                chunks += 1
+                if chunks == 10 and not finish:
+                    midway[0].set()
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
                 if chunk.usage is not None:
@@ -912,17 +917,18 @@ def test_interrupting_weight_update_continues_calls_on_the_new_weights(
             return tokens, finish
 
         async def main() -> tuple[list[tuple[int, str]], dict[str, Any]]:
-            tasks = [asyncio.create_task(plain(ro)) for ro in rollouts[:n_plain]]
-            tasks += [asyncio.create_task(streamed(ro)) for ro in rollouts[n_plain:]]
-            deadline = time.monotonic() + 30
-            while proxy.pool.inflight < len(tasks) and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)  # some tokens of each generation are out
+            midway.append(asyncio.Event())
+            tasks = [asyncio.create_task(streamed(ro)) for ro in rollouts[n_plain:]]
+            tasks += [asyncio.create_task(plain(ro)) for ro in rollouts[:n_plain]]
+            # the update comes while a stream is in the middle of its answer (the reference
+            # server runs one batch at a time: calls queued behind it start on the new weights)
+            await asyncio.wait_for(midway[0].wait(), 30)
             async with httpx.AsyncClient(base_url=url, headers=admin, timeout=60) as http:
                 r = await http.post("/v1/admin/update_weights",
                                     json={"path": str(model_dir), "version": old + 1})  # fmt: skip
                 assert r.status_code == 200, r.text
-            return await asyncio.gather(*tasks), r.json()
+            answers = await asyncio.gather(*tasks)
+            return answers[n_streamed:] + answers[:n_streamed], r.json()
 
         answers, update = asyncio.run(main())
         assert update["mode"] == "interrupt" and update["reloaded"] == 1
@@ -936,14 +942,15 @@ def test_interrupting_weight_update_continues_calls_on_the_new_weights(
         assert recorder.flush(30)
 
     grouped = by_rollout(consume(kafka_settings))
-    split = 0
-    for ro in rollouts:
+    split = streamed_split = 0
+    for i, ro in enumerate(rollouts):
         events = grouped[ro["rollout_id"]]
         calls = calls_of(events)
         prompts = assert_append_only(calls)
         if len(calls) == 1:
             continue
         split += 1
+        streamed_split += i >= n_plain
         parts = calls[:-1]
         assert [c.finish_reason for c in parts] == ["abort"] * len(parts)
         assert [c.policy_version for c in calls] == [old] * len(parts) + [old + 1]
@@ -962,3 +969,4 @@ def test_interrupting_weight_update_continues_calls_on_the_new_weights(
         assert versions[0] == old and versions[-1] == old + 1
         assert sorted(sample.policy_versions) == [old, old + 1]
     assert 1 <= split <= cut  # a cut call is on the log in parts (none if cut before a token)
+    assert streamed_split >= 1  # a streamed call went on too
