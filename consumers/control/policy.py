@@ -3,7 +3,7 @@
 simulated run), so what ``rollstream simulate`` plans is what ``rollstream controller`` does.
 
     Signals        one snapshot of the run (trainer, sample log, RUN stage, accelerators)
-    PolicyConfig   the knobs: staleness bound, share bounds and step, target, cooldown
+    PolicyConfig   the knobs: staleness bound, share bounds and step(s), target, cooldown
     Decision       run_slots, admit, inference_share, reason (JSON round trip, validated)
     admission_headroom(signals) -> int
     rollout_budget(signals) -> int      in flight + headroom, before the clip
@@ -40,18 +40,25 @@ rollouts that leave RUN before their group's samples are out, until the next dec
   off, run_slots = run_slots_max. admit = max(0, run_slots - R). Once the window is spent
   run_slots falls below R, so a freed slot is not refilled (with run_slots = I + clipped
   headroom, refilled slots would keep I at its level for ever).
-- The split (``inference_share``, the fraction of accelerators serving inference) moves by
-  ``share_step`` within [min_share, max_share], at most once per max(``cooldown_s``,
-  ``step_time_s``) (hysteresis: a move shows in the trainer's next step, so one move per step
-  at most), and not before the trainer has a measured step (``step_time_s`` > 0: while the
-  pipeline fills, the trainer waits whatever the split):
-  * toward training ("trainer-behind") when more than ``target_waiting_steps`` steps of samples
-    wait (at most half the staleness window, (eta + 1) / 2 steps, so the signal exists for a
-    small eta) and the trainer did not wait for samples: the trainer is the bottleneck;
-  * toward inference ("trainer-starved") when the trainer waited for samples for more than
-    ``idle_tolerance`` of the time since the previous decision and more inference would be
-    used: the backends run near their peak (``backend_utilisation >= saturation``), or rollouts
-    that the staleness bound allows (headroom > 0) wait for RUN slots that are all taken;
+- The split (``inference_share``, the fraction of accelerators serving inference) moves
+  within [min_share, max_share], at most once per max(``cooldown_s``, ``step_time_s``)
+  (hysteresis: a move shows in the trainer's next step, so one move per step at most), and not
+  before the trainer has a measured step (``step_time_s`` > 0: while the pipeline fills, the
+  trainer waits whatever the split):
+  * toward training ("trainer-behind") when more than T steps of samples wait (T =
+    ``target_waiting_steps``, at most half the staleness window, (eta + 1) / 2 steps, so the
+    signal exists for a small eta) and the trainer did not wait for samples: the trainer is
+    the bottleneck. The move is proportional to the imbalance: one ``share_step`` per T steps
+    of samples waiting beyond T (W = 3 T B: two steps), at least one and at most
+    ``max_steps_per_move``. When generation far outruns training, the first measured step
+    finds the window full of samples and the split goes most of the way at once, where one
+    ``share_step`` per trainer step would take several steps; a small excess moves one step;
+  * toward inference ("trainer-starved"), one ``share_step``, when the trainer waited for
+    samples for more than ``idle_tolerance`` of the time since the previous decision and more
+    inference would be used: the backends run near their peak (``backend_utilisation >=
+    saturation``), or rollouts that the staleness bound allows (headroom > 0) wait for RUN
+    slots that are all taken (how long the trainer waited does not say how much inference it
+    lacks, so this side does not jump);
   * otherwise it stays. Between "behind" (samples pile up) and "starved" (the trainer waits)
     lies a dead band where nothing moves.
 - reason: "trainer-behind" / "trainer-starved" when the share moved; else "staleness" when
@@ -202,6 +209,7 @@ class PolicyConfig:
     admission: bool = True  # staleness-aware admission on/off
     idle_tolerance: float = 0.05  # trainer idle fraction above which it is starved
     saturation: float = 0.5  # backend_utilisation at which more inference helps
+    max_steps_per_move: int = 4  # a move toward training takes up to this many share_steps
 
     def __post_init__(self) -> None:
         _integer("max_staleness", self.max_staleness, 0, MAX_STALENESS)
@@ -218,6 +226,7 @@ class PolicyConfig:
             raise ControlError("must be a boolean", field="admission")
         _number("idle_tolerance", self.idle_tolerance, 0.0, 1.0)
         _number("saturation", self.saturation, 0.0, 1.0)
+        _integer("max_steps_per_move", self.max_steps_per_move, 1, 1000)
 
 
 @dataclass(frozen=True)
@@ -272,7 +281,8 @@ def _clip(share: float, config: PolicyConfig) -> float:
 
 
 def _wanted_move(s: Signals, config: PolicyConfig, previous: Decision | None, headroom: int) -> int:
-    """+1 toward inference, -1 toward training, 0: stay (module docstring)."""
+    """Share steps to move: > 0 toward inference, < 0 toward training, 0: stay (module
+    docstring)."""
     eta = min(config.max_staleness, s.max_staleness)
     period = s.t - previous.t if previous is not None else 0.0
     if period > 0:
@@ -284,9 +294,14 @@ def _wanted_move(s: Signals, config: PolicyConfig, previous: Decision | None, he
         slots_bound = headroom > 0 and s.rollouts_queued > 0 and running >= s.run_slots_max
         return 1 if s.backend_utilisation >= config.saturation or slots_bound else 0
     behind_at = min(config.target_waiting_steps, (eta + 1) / 2)
-    if s.samples_waiting > behind_at * s.samples_per_step:
-        return -1
-    return 0
+    target = behind_at * s.samples_per_step  # samples
+    if s.samples_waiting <= target:
+        return 0
+    if target == 0:
+        return -config.max_steps_per_move
+    # one share_step per target's worth of samples waiting beyond the target, at least one
+    steps = math.floor((s.samples_waiting - target) / target + _EPS)
+    return -min(max(steps, 1), config.max_steps_per_move)
 
 
 def decide(signals: Signals, config: PolicyConfig, previous: Decision | None) -> Decision:

@@ -8,11 +8,15 @@ updates) driven by ``policy.decide``, the function the live controller runs.
                         is free; a new decision replaces it, unused starts are not carried
                         over), and the split
                         (accelerators that move idle ``reshard_s``: toward training at once,
-                        toward inference when the trainer's chunk ends). Weight updates as
-                        rollstream's proxy does them: hold new requests, drain the decoding
-                        ones, load, resume.
-    rollstream_partial  the same policy with interruptible (partial) rollouts instead of the
-                        drain: what interruptible backends would buy rollstream.
+                        toward inference when the trainer's chunk ends) within [1/N, 1 -
+                        1/N]: at least one accelerator on each side, as the other separate-pool
+                        policies. Weight updates as the proxy does them by default
+                        (``proxy_weight_update_mode=drain``): hold new requests, drain the
+                        decoding ones, load, resume.
+    rollstream_partial  the same policy with the proxy's interrupt mode
+                        (``proxy_weight_update_mode=interrupt``): an update cuts the decoding
+                        sequences, which go on with the new weights after a re-prefill
+                        (partial rollouts).
 
 Pure: no I/O.
 """
@@ -36,8 +40,8 @@ class Rollstream(FullyAsync):
         n = self.n
         self.config = PolicyConfig(
             max_staleness=self.w.max_staleness,
-            min_share=max(0.1, 1 / n),
-            max_share=min(0.9, 1 - 1 / n),
+            min_share=1 / n,
+            max_share=1 - 1 / n,
             share_step=max(0.1, 1 / n),
             cooldown_s=self.w.control_cooldown_s,
         )

@@ -142,6 +142,31 @@ def test_the_split_moves_toward_inference_when_the_trainer_waits_and_inference_i
     assert decide(slots, config, previous).reason == "trainer-starved"
 
 
+def test_a_move_toward_training_is_proportional_to_the_samples_waiting_beyond_the_target() -> None:
+    config = PolicyConfig(cooldown_s=10, share_step=0.1, max_share=1.0, min_share=0.0)
+    # target 1 step (32 samples): 60 waiting is less than a target beyond it: one step
+    assert decide(signals(samples_waiting=60), config, None).inference_share == 0.4
+    # 96 waiting: two targets beyond it, two steps; 160: four
+    d = decide(signals(samples_waiting=96, rollouts_in_flight=0), config, None)
+    assert (d.inference_share, d.reason, d.share_since) == (0.3, "trainer-behind", 100.0)
+    assert (
+        decide(signals(samples_waiting=160, rollouts_in_flight=0), config, None).inference_share
+        == 0.1
+    )
+    # ... at most max_steps_per_move steps (4 by default), and not past the bound
+    deep = signals(samples_waiting=400, rollouts_in_flight=0, inference_share=0.9)
+    assert decide(deep, config, None).inference_share == 0.5
+    assert decide(deep, replace(config, max_steps_per_move=1), None).inference_share == 0.8
+    assert decide(deep, replace(config, min_share=0.7), None).inference_share == 0.7
+    # the target is half the staleness window at most: eta 0 -> half a step (16 samples)
+    half = signals(max_staleness=0, samples_waiting=48, rollouts_in_flight=0)
+    assert decide(half, config, None).inference_share == 0.3
+    # toward inference it is one step, however long the trainer waited
+    previous = Decision(t=90.0, run_slots=64, admit=0, inference_share=0.5, reason="steady")
+    starved = signals(samples_waiting=0, trainer_idle_s=10.0, backend_utilisation=0.9)
+    assert decide(starved, config, previous).inference_share == 0.6
+
+
 def test_no_move_before_the_trainer_has_a_step_and_at_most_one_per_step() -> None:
     config = PolicyConfig(cooldown_s=5)
     behind = signals(samples_waiting=60, rollouts_in_flight=10)
@@ -184,6 +209,7 @@ signal_steps = st.fixed_dictionaries(
     cooldown=st.floats(0, 60),
     eta=st.integers(0, 5),
     admission=st.booleans(),
+    max_steps=st.integers(1, 6),
 )
 def test_decisions_stay_in_bounds_and_respect_the_cooldown(
     steps: list[dict[str, Any]],
@@ -192,6 +218,7 @@ def test_decisions_stay_in_bounds_and_respect_the_cooldown(
     cooldown: float,
     eta: int,
     admission: bool,
+    max_steps: int,
 ) -> None:
     config = PolicyConfig(
         max_staleness=eta,
@@ -200,6 +227,7 @@ def test_decisions_stay_in_bounds_and_respect_the_cooldown(
         share_step=share_step,
         cooldown_s=cooldown,
         admission=admission,
+        max_steps_per_move=max_steps,
     )
     t, previous = 0.0, None
     for step in steps:
@@ -217,7 +245,9 @@ def test_decisions_stay_in_bounds_and_respect_the_cooldown(
             assert previous.share_since is None or (
                 t - previous.share_since >= max(cooldown, s.step_time_s) - 1e-9
             )
-            assert abs(d.inference_share - previous.inference_share) <= share_step + 1e-9
+            moved = d.inference_share - previous.inference_share
+            assert moved <= share_step + 1e-9  # toward inference: one step
+            assert -moved <= share_step * config.max_steps_per_move + 1e-9
             assert d.share_since == t
         previous = d
 
@@ -281,6 +311,10 @@ def test_bad_signals_and_config_name_their_field() -> None:
     with pytest.raises(ControlError) as caught:
         PolicyConfig(min_share=0.8, max_share=0.2)
     assert caught.value.field == "min_share"
+    for bad in (0, 1001, 2.0, True):
+        with pytest.raises(ControlError) as caught:
+            PolicyConfig(max_steps_per_move=bad)
+        assert caught.value.field == "max_steps_per_move"
     s = signals()
     assert Signals.from_json(json.loads(json.dumps(s.to_json()))) == s
 
