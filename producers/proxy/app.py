@@ -2,10 +2,11 @@
 of the proxy that knows Starlette and uvicorn. Every route of ``Proxy.endpoints()`` becomes a
 Starlette route whose handler gets an ``HttpRequest`` and returns an ``Answer``.
 
-Hot path: the model-call routes (POST to a chat/completions or completions URL) are served as
-raw ASGI by ``ProxyApp``: no Starlette middleware, router, Request or Response per call (most of
-what the framework costs per call), and the same answers and errors as through the routes
-(tests/unit/test_proxy_fastpath.py compares both paths on every kind of bad input).
+Hot path: the model-call routes (POST to a chat/completions, completions or Anthropic messages
+URL) are served as raw ASGI by ``ProxyApp``: no Starlette middleware, router, Request or
+Response per call (most of what the framework costs per call), and the same answers and errors
+as through the routes (tests/unit/test_proxy_fastpath.py compares both paths on every kind of
+bad input).
 
     rollstream proxy    ->  run(ProxySettings())     uvicorn, one worker
     tests, benchmarks   ->  create_app(settings, recorder=..., pool=..., chat=...)
@@ -37,6 +38,7 @@ from rollstream.adapters.asgi_stream import send_stream
 from rollstream.adapters.metrics import ServiceMetrics, metrics_routes
 from rollstream.producers.errors import ApiError, ChatError
 from rollstream.producers.proxy.chat import ChatTemplate
+from rollstream.producers.proxy.messages_api import MessagesApi
 from rollstream.producers.proxy.openai_wire import (
     Answer,
     HttpRequest,
@@ -150,66 +152,74 @@ class ProxyMetrics:
         self.seconds.labels(route).observe(time.perf_counter() - started)
 
 
-def _fast_route(path: str) -> tuple[bool, str | None] | None:
-    """(chat?, rollout id from the URL) for the model-call routes, else None."""
-    if path == "/v1/chat/completions":
-        return True, None
-    if path == "/v1/completions":
-        return False, None
+CHAT, TEXT, MESSAGES = "chat", "text", "messages"  # the kinds of model call on the fast path
+_FAST_TAILS = {"chat/completions": CHAT, "completions": TEXT, "messages": MESSAGES}
+
+
+def _fast_route(path: str) -> tuple[str, str | None] | None:
+    """(kind of call, rollout id from the URL) for the model-call routes, else None."""
+    if path.startswith("/v1/"):
+        kind = _FAST_TAILS.get(path[4:])
+        return None if kind is None else (kind, None)
     if path.startswith("/rollouts/"):
         rid, slash, tail = path[10:].partition("/")
-        if rid and slash:
-            if tail == "v1/chat/completions":
-                return True, rid
-            if tail == "v1/completions":
-                return False, rid
+        if rid and slash and tail.startswith("v1/"):
+            kind = _FAST_TAILS.get(tail[3:])
+            if kind is not None:
+                return kind, rid
     return None
 
 
 class ProxyApp(Starlette):
     """The proxy's Starlette app with the model-call routes served as raw ASGI: a POST to a
-    chat/completions or completions URL skips Starlette's middleware, router, Request and
-    Response and gets the same answers and errors as through the routes; every other request
-    goes through Starlette. ``proxy`` (also ``state.proxy``) is the service."""
+    chat/completions, completions or messages URL skips Starlette's middleware, router,
+    Request and Response and gets the same answers and errors as through the routes; every
+    other request goes through Starlette. ``proxy`` (also ``state.proxy``) is the service,
+    ``messages`` its Messages API."""
 
     proxy: Proxy
     metrics: ProxyMetrics
+    messages: MessagesApi
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             route = _fast_route(scope["path"])
             if route is not None:
-                chat, rid = route
+                kind, rid = route
                 started = time.perf_counter()
-                status = await _serve_call(self.proxy, chat, rid, scope, receive, send)
+                status = await _serve_call(self, kind, rid, scope, receive, send)
                 if status:
-                    self.metrics.observe(_fast_names[chat, rid is not None], status, started)
+                    self.metrics.observe(_fast_names[kind, rid is not None], status, started)
                 return None
         await super().__call__(scope, receive, send)
 
 
 _fast_names = {
-    (True, False): "/v1/chat/completions",
-    (False, False): "/v1/completions",
-    (True, True): "/rollouts/{rollout_id}/v1/chat/completions",
-    (False, True): "/rollouts/{rollout_id}/v1/completions",
+    (kind, scoped): ("/rollouts/{rollout_id}/v1/" if scoped else "/v1/") + tail
+    for tail, kind in _FAST_TAILS.items()
+    for scoped in (False, True)
 }
 
 
 async def _serve_call(
-    proxy: Proxy, chat: bool, rid: str | None, scope: Any, receive: Any, send: Any
+    app: ProxyApp, kind: str, rid: str | None, scope: Any, receive: Any, send: Any
 ) -> int:
-    """One model call as raw ASGI; the same status codes and error objects as the routes.
-    Returns the status answered (0: the client went away before the answer)."""
-    token = declared = None
+    """One model call as raw ASGI; the same status codes and error objects as the routes
+    (Anthropic's for a Messages call). Returns the status answered (0: the client went away
+    before the answer)."""
+    proxy = app.proxy
+    token = declared = api_key = None
     for name, value in scope["headers"]:  # the first of each, as Starlette's Headers.get
         if name == b"authorization":
             if token is None:
                 token = value.decode("latin-1")
-        elif name == b"content-length" and declared is None:
-            declared = value
+        elif name == b"content-length":
+            if declared is None:
+                declared = value
+        elif name == b"x-api-key" and api_key is None:  # Anthropic's client sends its key there
+            api_key = value.decode("latin-1")
     try:
-        ro = proxy.open_rollout(bearer_token(token), rid)
+        ro = proxy.open_rollout(bearer_token(token) or api_key, rid)
         limit = proxy.settings.proxy_max_body_bytes
         too_large(declared, limit)
         chunks, size, more = [], 0, True
@@ -224,9 +234,14 @@ async def _serve_call(
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = parse_json(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-        answer = await (proxy.chat_call if chat else proxy.text_call)(ro, body)
+        if kind == CHAT:
+            answer = await proxy.chat_call(ro, body)
+        elif kind == TEXT:
+            answer = await proxy.text_call(ro, body)
+        else:
+            answer = await app.messages.call(ro, body)
     except Exception as exc:
-        answer = _error(exc, scope["path"])
+        answer = app.messages.error(exc) if kind == MESSAGES else _error(exc, scope["path"])
     headers = _SSE_HEADERS if answer.sse else _JSON_HEADERS
     if answer.headers:
         extra = [
@@ -357,6 +372,7 @@ def create_app(
     app = ProxyApp(routes=routes, lifespan=lifespan)
     app.proxy = app.state.proxy = proxy
     app.metrics = app.state.metrics = metrics
+    app.messages = MessagesApi(proxy)  # the fast path's; the route's answers the same
     return app
 
 

@@ -267,6 +267,8 @@ def _drift(
     without tool calls is its content; one with tool calls is rendered by the template."""
     text = chat.emission_text(msg) if msg.get("tool_calls") else (msg.get("content") or "")
     naive = memory.encode(chat, text + (stop or ""))
+    if naive.dtype == gen.ids.dtype and naive.tobytes() == gen.ids.tobytes():
+        return 0  # the usual case, without numpy's per-call cost on the first token's path
     shared = common_prefix(naive, gen.ids)
     if shared == len(naive) == len(gen.ids):
         return 0

@@ -63,6 +63,16 @@ __all__ = ["MessagesApi", "Pipeline"]
 
 log = logging.getLogger("rollstream.producers.proxy.service")
 
+# a text block's delta event (the same for every call: built once)
+_TEXT_DELTA = SseTemplate(
+    b"event: content_block_delta\ndata: ",
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": SseTemplate.SLOT},
+    },
+)
+
 
 class MessagesApi:
     """The Messages route of a proxy: ``messages`` is the route handler, ``call`` the Python
@@ -78,9 +88,14 @@ class MessagesApi:
             ro = self.proxy.open_rollout(request.token, request.path.get("rollout_id"))
             return await self.call(ro, await request.json())
         except Exception as exc:
-            if not isinstance(exc, ApiError | ChatError):
-                log.exception("unhandled error on /v1/messages")
-            return error_answer(as_api_error(exc))
+            return self.error(exc)
+
+    def error(self, exc: Exception) -> Answer:
+        """The answer to a failed Messages call: Anthropic's error object (a 500 with the
+        reason, logged, for an error that is not an ApiError or ChatError: a bug)."""
+        if not isinstance(exc, ApiError | ChatError):
+            log.error("unhandled error on /v1/messages", exc_info=exc)
+        return error_answer(as_api_error(exc))
 
     async def call(self, ro: OpenRollout, body: dict[str, Any]) -> Answer:
         """A Messages call for ``ro`` (the module docstring's seven steps). Raises ApiError or
@@ -150,14 +165,7 @@ class MessagesApi:
         )
         pending = event("message_start", {"type": "message_start", "message": start})
         text_open, index = False, 0
-        text_delta = SseTemplate(
-            b"event: content_block_delta\ndata: ",
-            {
-                "type": "content_block_delta",
-                "index": 0,
-                "delta": {"type": "text_delta", "text": SseTemplate.SLOT},
-            },
-        )
+        text_delta = _TEXT_DELTA
 
         def text(piece: str) -> bytes:
             nonlocal text_open

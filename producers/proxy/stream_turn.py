@@ -117,7 +117,8 @@ class StreamedTurn:
             tools=turn.tools_enabled, markers=fmt.markers, whole_json=fmt.name == "llama3_json"
         )
         marks = chat.marker_ids if turn.tools_enabled else frozenset()
-        self._hidden = chat.special_ids - marks  # not shown, as read_reply decodes them
+        # not shown, as read_reply decodes them (no set built per call when nothing is kept)
+        self._hidden = chat.special_ids - marks if marks else chat.special_ids
         decode = chat.tokenizer.decode
         self._text = IncrementalText(lambda ids: decode(ids, skip_special_tokens=False))
 

@@ -124,12 +124,21 @@ def parse_chunk(data: Any, top_k: int = 0) -> TokenChunk | None:
     finish = choice.get("finish_reason")
     if not ids and finish is None:
         return None
-    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in ids):
+    if not isinstance(ids, list):
         raise ValueError("a stream chunk's `token_ids` are not token ids")
+    for t in ids:  # loops, not all(generator): this runs per token
+        if type(t) is not int or not 0 <= t < 2**32:
+            raise ValueError("a stream chunk's `token_ids` are not token ids")
     if not isinstance(logprobs, list) or len(logprobs) != len(ids):
         raise ValueError(f"{len(ids)} token ids but logprobs {logprobs!r:.80}")
-    if not all(isinstance(v, _NUMBER) and type(v) is not bool for v in logprobs):
-        raise ValueError("a generated token has no logprob")
+    values = []
+    for v in logprobs:
+        if type(v) is float:
+            values.append(v)
+        elif isinstance(v, _NUMBER) and type(v) is not bool:
+            values.append(float(v))
+        else:
+            raise ValueError("a generated token has no logprob")
     tops = None
     if top_k:
         steps = lp.get("top_logprobs")
@@ -146,7 +155,7 @@ def parse_chunk(data: Any, top_k: int = 0) -> TokenChunk | None:
     stop = choice.get("stop_reason")
     return TokenChunk(
         token_ids=ids,
-        logprobs=[float(v) for v in logprobs],
+        logprobs=values,
         top_logprobs=tops,
         finish_reason=str(finish) if finish is not None else None,
         stop_reason=stop if type(stop) is int else None,
@@ -195,7 +204,12 @@ class IncrementalText:
 
     def push(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)
-        before = str(self._decode(self.ids[self._prefix : self._read]))
+        # an empty window decodes to "": not decoded (the first token's piece, one call less)
+        before = (
+            str(self._decode(self.ids[self._prefix : self._read]))
+            if self._read > self._prefix
+            else ""
+        )
         after = str(self._decode(self.ids[self._prefix :]))
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
@@ -203,7 +217,11 @@ class IncrementalText:
         return ""
 
     def flush(self) -> str:
-        before = str(self._decode(self.ids[self._prefix : self._read]))
+        before = (
+            str(self._decode(self.ids[self._prefix : self._read]))
+            if self._read > self._prefix
+            else ""
+        )
         after = str(self._decode(self.ids[self._prefix :]))
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]

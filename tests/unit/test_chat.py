@@ -463,3 +463,29 @@ def test_tool_choice_none_required_and_named(chat: ChatTemplate) -> None:
         with pytest.raises(ChatInputError) as err:
             render_turn(chat, ChatMemory(), messages=user, tools=tools, tool_choice=choice)
         assert (err.value.param, err.value.code) == ("tool_choice", "invalid_value")
+
+
+def test_drift_equals_the_common_prefix_count(chat: ChatTemplate) -> None:
+    """_drift's shortcut for generated ids equal to the re-tokenized text gives what the
+    common-prefix count gives, for equal ids of either dtype and for every kind of difference."""
+    from rollstream.producers.proxy.chat import _drift, _Generation
+    from rollstream.producers.sdk.context import common_prefix
+
+    text = "Sure, here is a short answer."
+    naive = chat.encode(text + "<|im_end|>")
+    variants = [
+        naive,
+        naive.astype(np.int64),
+        naive[:-1],
+        np.concatenate([naive, naive[:1]]),
+        np.concatenate([naive[:2], naive[3:]]),
+        naive[::-1].copy(),
+        np.zeros(0, np.uint32),
+    ]
+    for ids in variants:
+        memory = ChatMemory()
+        gen = _Generation("c", ids, 1, text)
+        shared = common_prefix(naive, ids)
+        want = 0 if shared == len(naive) == len(ids) else max(len(naive), len(ids)) - shared
+        got = _drift(chat, memory, gen, {"role": "assistant", "content": text}, "<|im_end|>")
+        assert got == want, ids

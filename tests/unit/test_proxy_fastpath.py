@@ -77,16 +77,25 @@ def make_app(chat: ChatTemplate, backend: Backend, **kw: Any) -> tuple[ProxyApp,
 
 
 def test_fast_route_matches_the_starlette_paths() -> None:
-    assert _fast_route("/v1/chat/completions") == (True, None)
-    assert _fast_route("/v1/completions") == (False, None)
-    assert _fast_route("/rollouts/r-1/v1/chat/completions") == (True, "r-1")
-    assert _fast_route("/rollouts/r-1/v1/completions") == (False, "r-1")
+    assert _fast_route("/v1/chat/completions") == ("chat", None)
+    assert _fast_route("/v1/completions") == ("text", None)
+    assert _fast_route("/v1/messages") == ("messages", None)
+    assert _fast_route("/rollouts/r-1/v1/chat/completions") == ("chat", "r-1")
+    assert _fast_route("/rollouts/r-1/v1/completions") == ("text", "r-1")
+    assert _fast_route("/rollouts/r-1/v1/messages") == ("messages", "r-1")
     for other in (
         "/rollouts//v1/chat/completions",
+        "/rollouts//v1/messages",
         "/rollouts/r/v1/models",
+        "/rollouts/r/v1/responses",
         "/v1/models",
+        "/v1/responses",
         "/rollouts/a/b/v1/chat/completions",
+        "/rollouts/a/b/v1/messages",
         "/v1/chat/completions/",
+        "/v1/messages/",
+        "/v1//messages",
+        "/rollouts/r/messages",
         "/health",
     ):
         assert _fast_route(other) is None, other  # fmt: skip
@@ -172,6 +181,92 @@ def test_raw_asgi_routes_answer_like_the_starlette_routes(chat: ChatTemplate) ->
         backend.status = 200
         # a GET on a model-call URL is Starlette's 405, not the fast path
         assert (await fast.get(chat_a, headers=auth)).status_code == 405
+        await proxy.pool.aclose()
+
+    try:
+        run(main)
+    finally:
+        recorder.close(5)
+
+
+def test_raw_asgi_messages_answer_like_the_starlette_route(chat: ChatTemplate) -> None:
+    """/v1/messages on the fast path: Anthropic's error objects, statuses and headers as the
+    Starlette route gives them, for every bad input; the same Message and the same streamed
+    events (but for ids) on success; x-api-key or a bearer token."""
+    backend = Backend(chat)
+    app, recorder = make_app(chat, backend)
+    proxy = app.state.proxy
+
+    async def via_starlette(scope: Any, receive: Any, send: Any) -> None:
+        await Starlette.__call__(app, scope, receive, send)
+
+    async def main() -> None:
+        await proxy.pool.start()
+        fast = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p")
+        slow = httpx.AsyncClient(transport=httpx.ASGITransport(via_starlette), base_url="http://p")
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        a = (await fast.post("/v1/rollouts", json={"task_id": "t"}, headers=admin)).json()
+        b = (await fast.post("/v1/rollouts", json={"task_id": "t"}, headers=admin)).json()
+        url = f"/rollouts/{a['rollout_id']}/v1/messages"
+        key = {"x-api-key": a["token"]}
+        ok = {"max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+        cases: list[tuple[str, dict[str, Any], int]] = [
+            (url, {"content": b"{not json", "headers": key}, 400),
+            (url, {"content": b"[1]", "headers": key}, 400),
+            (url, {"json": {"messages": ok["messages"]}, "headers": key}, 400),  # no max_tokens
+            (url, {"json": {**ok, "messages": [{"role": "robot", "content": "x"}]},
+                   "headers": key}, 400),
+            (url, {"json": {**ok, "temperature": "hot"}, "headers": key}, 400),
+            (url, {"json": ok}, 401),
+            (url, {"json": ok, "headers": {"x-api-key": "rs1.x.y"}}, 401),
+            (url, {"json": ok, "headers": {"x-api-key": b["token"]}}, 403),
+            (url, {"json": {**ok, "messages": [{"role": "user", "content": "x" * 3000}]},
+                   "headers": key}, 413),
+            (url, {"json": {**ok, "messages": [{"role": "user", "content": "word " * 300}]},
+                   "headers": key}, 400),  # prompt is too long
+            ("/rollouts/nope/v1/messages", {"json": ok, "headers": admin}, 404),
+            ("/v1/messages", {"json": ok, "headers": {"x-api-key": "nope"}}, 401),
+            (url, {"json": {**ok, "stop_sequences": ["two words"]}, "headers": key}, 400),
+        ]  # fmt: skip
+        for u, kw, status in cases:
+            rf, rs = await fast.post(u, **kw), await slow.post(u, **kw)
+            assert rf.status_code == rs.status_code == status, (u, rf.text, rs.text)
+            assert rf.json() == rs.json(), u
+            assert rf.json()["type"] == "error" and set(rf.json()["error"]) == {"type", "message"}
+            assert dict(rf.headers) == dict(rs.headers), u
+
+        def same(x: Any) -> Any:  # ids and times differ from call to call
+            if isinstance(x, dict):
+                return {k: "*" if k in ("id", "call_id") else same(v) for k, v in x.items()}
+            return [same(v) for v in x] if isinstance(x, list) else x
+
+        for auth in (key, {"Authorization": f"Bearer {a['token']}"}):
+            rf = await fast.post("/v1/messages", json=ok, headers=auth)
+            rs = await slow.post("/v1/messages", json=ok, headers=auth)
+            assert rf.status_code == rs.status_code == 200, rf.text
+            assert same(rf.json()) == same(rs.json())
+            assert rf.json()["content"] == [{"type": "text", "text": "Hello there."}]
+            assert dict(rf.headers) == dict(rs.headers)
+            streamed = {**ok, "stream": True}
+            rf = await fast.post(url, json=streamed, headers=auth)
+            rs = await slow.post(url, json=streamed, headers=auth)
+            assert rf.status_code == rs.status_code == 200
+            assert rf.headers["content-type"] == rs.headers["content-type"]
+            assert rf.headers["content-type"] == "text/event-stream; charset=utf-8"
+            assert rf.headers["cache-control"] == rs.headers["cache-control"] == "no-cache"
+            events = [
+                [(e.split("\n")[0], same(json.loads(e.split("\n")[1].removeprefix("data: "))))
+                 for e in r.text.split("\n\n") if e]
+                for r in (rf, rs)
+            ]  # fmt: skip
+            assert events[0] == events[1]
+            assert events[0][-1][0] == "event: message_stop"
+        assert proxy.rollouts.get(a["rollout_id"]).calls == 8
+        counted = app.metrics.service.registry.get_sample_value(
+            "rollstream_proxy_requests_total",
+            {"route": "/rollouts/{rollout_id}/v1/messages", "code": "200"},
+        )
+        assert counted == 4  # both paths count under the route template
         await proxy.pool.aclose()
 
     try:

@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollstream.inference.tinymodel import train_tokenizer
 from rollstream.producers.errors import Http1Error
@@ -150,3 +152,104 @@ def test_http1_stream_hands_out_parts_and_pools_only_finished_connections() -> N
                 pass
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- differential: the
+# per-token code against the plain versions it replaced (same results, same errors)
+
+
+def _parse_chunk_plain(data: Any, top_k: int = 0) -> TokenChunk | None:
+    """parse_chunk's checks as all() over generators (what parse_chunk did before its loops)."""
+    choice = data["choices"][0]
+    lp = choice.get("logprobs") or {}
+    logprobs = lp.get("token_logprobs") if isinstance(lp, dict) else None
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in ids):
+        raise ValueError("a stream chunk's `token_ids` are not token ids")
+    if not isinstance(logprobs, list) or len(logprobs) != len(ids):
+        raise ValueError(f"{len(ids)} token ids but logprobs {logprobs!r:.80}")
+    if not all(isinstance(v, int | float) and type(v) is not bool for v in logprobs):
+        raise ValueError("a generated token has no logprob")
+    return TokenChunk(token_ids=ids, logprobs=[float(v) for v in logprobs])
+
+
+_ODD = st.one_of(
+    st.integers(-3, 2**32 + 3), st.booleans(), st.none(), st.text(max_size=2),
+    st.floats(allow_nan=False),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.one_of(st.integers(0, 2**32 - 1), _ODD), min_size=1, max_size=4),
+    lps=st.lists(st.one_of(st.floats(allow_nan=False), st.integers(-5, 0), _ODD), max_size=5),
+)
+def test_parse_chunk_checks_as_the_plain_version(ids: list[Any], lps: list[Any]) -> None:
+    data = {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": lps}}]}
+    try:
+        want: Any = _parse_chunk_plain(data)
+    except ValueError as exc:
+        want = str(exc)
+    try:
+        got: Any = parse_chunk(data)
+    except ValueError as exc:
+        got = str(exc)
+    assert got == want
+    if isinstance(got, TokenChunk):
+        assert [type(v) for v in got.logprobs] == [float] * len(lps)
+
+
+class _PlainText:
+    """IncrementalText as it was: both windows decoded on every push."""
+
+    def __init__(self, decode: Any) -> None:
+        self._decode, self._prefix, self._read = decode, 0, 0
+        self.ids: list[int] = []
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+_TOK = train_tokenizer()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="ab é→日🙂<tool_call>|\n", max_size=30),
+    cuts=st.lists(st.integers(1, 3), max_size=40),
+    flush_at=st.integers(0, 10),
+)
+def test_incremental_text_gives_the_plain_versions_pieces(
+    text: str, cuts: list[int], flush_at: int
+) -> None:
+    ids = list(_TOK.encode(text, add_special_tokens=False))
+    ids += [5, 7][: len(cuts) % 3]  # sometimes special or partial tokens at the end
+
+    def decode(x: list[int]) -> str:
+        return str(_TOK.decode(x, skip_special_tokens=False))
+
+    new, old = IncrementalText(decode), _PlainText(decode)
+    got, want, pos = [], [], 0
+    for i, n in enumerate([*cuts, len(ids)]):
+        step, pos = ids[pos : pos + n], pos + n
+        got.append(new.push(step))
+        want.append(old.push(step))
+        if i == flush_at:  # a flush in the middle: the window starts empty again
+            got.append(new.flush())
+            want.append(old.flush())
+    got.append(new.flush())
+    want.append(old.flush())
+    assert got == want
+    assert decode([]) == ""
