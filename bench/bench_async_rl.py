@@ -49,6 +49,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from rollstream.consumers.training.checkpoint import CheckpointStore
+from rollstream.consumers.training.settings import TrainerSettings
 from rollstream.inference.tinymodel import SamplingParams, generate, load_model, stop_token_ids
 from rollstream.infra.demo.agent import SYSTEM, demo_tasks, digit_rewards
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
@@ -135,6 +136,8 @@ def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) ->
         "ROLLSTREAM_DEMO_SINK": "false",
         "ROLLSTREAM_DEMO_MAX_MINUTES": str(args.max_minutes),
     }
+    if args.objective is not None:
+        env["ROLLSTREAM_TRAIN_OBJECTIVE"] = args.objective
     t = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rollstream.infra.cli", "demo"],
@@ -205,6 +208,11 @@ def main() -> None:
         default=64,
         help="fixed draws per task of the last version's policy (eval_reward)",
     )
+    ap.add_argument(
+        "--objective",
+        choices=("ppo", "decoupled"),
+        help="the trainer's loss objective (default: the trainer's default)",
+    )
     ap.add_argument("--bootstrap")
     ap.add_argument("--keep", type=Path, help="copy each run's service logs here")
     args = ap.parse_args()
@@ -241,6 +249,7 @@ def main() -> None:
         "workers": args.workers,
         "env": {"median_s": args.env_median, "sigma": args.env_sigma, "max_s": args.env_max},
         "max_staleness": args.max_staleness,
+        "objective": args.objective or TrainerSettings().train_objective,
         "modes": {},
     }
     base = None

@@ -404,6 +404,8 @@ def _trainer_settings(
     target's names and stopping rules."""
     base = TrainerSettings(**_common(s))
     recorded = (at_v or latest).train_config
+    if recorded and "train_objective" not in recorded:  # recorded before it was a setting: PPO
+        recorded = {**recorded, "train_objective": "ppo"}
     base = _changed(base, {k: x for k, x in recorded.items() if k in TrainerSettings.model_fields})
     base = _changed(base, plan.trainer)
     model = Path(latest.base_model) if latest.base_model else base.resolved_model_path()

@@ -90,6 +90,12 @@ _KEYS = (
     SettingKey("trainer", "train_clip_high", "PPO clip, high side (clip-higher)"),
     SettingKey("trainer", "train_dual_clip", "dual clip for A < 0 (none: off)"),
     SettingKey("trainer", "train_normalization", "loss normalization: rollout, token, sequence"),
+    SettingKey("trainer", "train_objective", "loss objective: decoupled or ppo"),
+    SettingKey(
+        "trainer",
+        "train_behaviour_cap",
+        "decoupled: behaviour weight cap",
+    ),
 )
 # short names (scorer, lr, max_staleness) and the field names (proc_scorer, train_lr)
 ALLOWED: dict[str, SettingKey] = {

@@ -14,7 +14,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from rollstream.consumers.errors import TrainerError
-from rollstream.consumers.training.ppo import LossConfig, Normalization
+from rollstream.consumers.training.ppo import LossConfig, Normalization, Objective
 from rollstream.schemas import CommonSettings
 
 __all__ = ["DEBUG_STAGES", "TRAINER_GROUP", "TRAIN_CONFIG_FIELDS", "TrainerSettings"]
@@ -34,6 +34,8 @@ TRAIN_CONFIG_FIELDS = (
     "train_clip_high",
     "train_dual_clip",
     "train_normalization",
+    "train_objective",
+    "train_behaviour_cap",
     "train_seed",
     "train_torch_threads",
     "train_attn_implementation",
@@ -68,6 +70,10 @@ class TrainerSettings(CommonSettings):
     train_clip_high: float = 0.28
     train_dual_clip: float | None = 3.0  # an A < 0 token loses at most this x |A| (none: off)
     train_normalization: Normalization = "rollout"
+    # ppo: the clip against the behaviour policy; decoupled: AReaL's decoupled PPO, the clip
+    # against the weights being trained and a per-token behaviour weight (docs/trainer.md)
+    train_objective: Objective = "decoupled"
+    train_behaviour_cap: float = Field(5.0, gt=1.0, le=1000.0)  # decoupled: tokens past it left out
     train_max_steps: int | None = None  # total steps (a restart continues towards it)
     train_device: str = "cpu"
     train_attn_implementation: str | None = None  # default: the model's (sdpa)
@@ -105,6 +111,8 @@ class TrainerSettings(CommonSettings):
             self.train_clip_high,
             self.train_normalization,
             self.train_dual_clip,
+            self.train_objective,
+            self.train_behaviour_cap,
         )
 
     def train_config(self) -> dict[str, Any]:

@@ -214,3 +214,52 @@ def test_dual_clip_bounds_an_off_policy_token_with_negative_advantage() -> None:
     assert off.item() == pytest.approx(12.8 / 3, rel=1e-6)  # unbounded without it
     with pytest.raises(ValueError, match="dual_clip"):
         LossConfig(dual_clip=0.5)
+
+
+def test_decoupled_objective_trains_stale_tokens_the_clip_would_drop() -> None:
+    # behaviour ratios 1.5, 1.0, 0.5, 9.0 with A = +1 and the sequence normalized over 4 tokens.
+    # PPO: the 1.5 token is clipped high (no gradient); 1.0 and 0.5 get ratio / 4; 9.0 clipped.
+    # Decoupled: u = 1, so every token's gradient is its behaviour weight w / 4 (w = the ratio),
+    # except 9.0 > behaviour_cap 5: left out (weight 0).
+    ratios = [[1.5, 1.0, 0.5, 9.0]]
+    mask, adv = torch.ones(1, 4), torch.tensor([1.0])
+    grads = {}
+    for objective in ("ppo", "decoupled"):
+        logp, old = _logp_for_ratios(ratios)
+        loss, stats = ppo_clip_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            normalization="token",
+            objective=objective,  # type: ignore[arg-type]
+        )
+        loss.backward()
+        assert logp.grad is not None
+        grads[objective] = logp.grad
+        if objective == "decoupled":
+            assert float(stats["behaviour_capped_frac"]) == pytest.approx(0.25)
+            assert float(stats["clip_frac"]) == 0.0  # nothing clipped against the proximal
+            assert float(loss.detach()) == pytest.approx(-(1.5 + 1.0 + 0.5) / 4)
+    torch.testing.assert_close(grads["ppo"], torch.tensor([[0.0, -0.25, -0.125, 0.0]]))
+    torch.testing.assert_close(grads["decoupled"], torch.tensor([[-0.375, -0.25, -0.125, 0.0]]))
+
+
+def test_decoupled_equals_ppo_on_fresh_samples() -> None:
+    # old_logp = logp (a sample of the weights being trained): the same loss and gradient
+    torch.manual_seed(0)
+    base = torch.randn(3, 5)
+    mask = (torch.rand(3, 5) > 0.3).float()
+    adv = torch.tensor([0.7, -1.2, 0.1])
+    out = {}
+    for objective in ("ppo", "decoupled"):
+        logp = base.clone().requires_grad_()
+        loss, _ = ppo_clip_loss(logp, base.clone(), adv, mask, objective=objective)  # type: ignore[arg-type]
+        loss.backward()
+        out[objective] = (loss.detach(), logp.grad)
+    torch.testing.assert_close(out["ppo"][0], out["decoupled"][0])
+    torch.testing.assert_close(out["ppo"][1], out["decoupled"][1])
+    with pytest.raises(ValueError, match="objective"):
+        LossConfig(objective="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="behaviour_cap"):
+        LossConfig(behaviour_cap=1.0)
