@@ -49,7 +49,8 @@ class ReadError(ValueError):
 
 
 def _tail(data: bytes, pos: int, b: int) -> tuple[int, int]:
-    """The rest of a zig-zag varint whose first byte ``b`` (high bit set) was before ``pos``."""
+    """The rest of a zig-zag varint whose first byte ``b`` (high bit set) was before ``pos``
+    (the generated code reads varints of one and two bytes itself)."""
     n = b & 0x7F
     shift = 7
     while True:
@@ -120,6 +121,10 @@ class _Compiler(CodeGen):
             f"{ind}b = data[pos]",
             f"{ind}pos += 1",
             f"{ind}if b < 128:",
+            f"{ind}    {target} = (b >> 1) ^ -(b & 1)",
+            f"{ind}elif data[pos] < 128:",  # two bytes (a length up to 8 KiB)
+            f"{ind}    b = (b & 127) | (data[pos] << 7)",
+            f"{ind}    pos += 1",
             f"{ind}    {target} = (b >> 1) ^ -(b & 1)",
             f"{ind}else:",
             f"{ind}    {target}, pos = _tail(data, pos, b)",

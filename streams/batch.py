@@ -147,9 +147,14 @@ class BatchOutput:
     counts: dict[str, int] = field(default_factory=dict)
 
     def add(self, outs: Iterable[Out]) -> None:
-        lists = {Sink.TRAJECTORIES: self.trajectories, Sink.SAMPLES: self.samples}
         for out in outs:
-            lists.get(out.sink, self.dlq).append(out)
+            sink = out.sink
+            if sink is Sink.SAMPLES:
+                self.samples.append(out)
+            elif sink is Sink.TRAJECTORIES:
+                self.trajectories.append(out)
+            else:
+                self.dlq.append(out)
 
 
 def _run(step: Step, outs: list[Out]) -> bool:
@@ -188,6 +193,14 @@ class _BatchRolloutBook(RolloutBook):
         return out
 
 
+def _text(key: bytes) -> str:
+    """A record key as the rollout_id it should be (undecodable bytes replaced)."""
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return key.decode(errors="replace")
+
+
 class _BuilderLane:
     """The trajectory builder of one source partition, with ideal timers."""
 
@@ -215,22 +228,29 @@ class _BuilderLane:
         """One record, then the timers due; returns the partition's clock."""
         book = self.book
         self.fed += 1
-        if book.closed:
+        closed = book.closed
+        if closed:
             # the timer forgets old tombstones: before a record of one comes (what decides an
             # output), and now and then (what bounds memory); any run of it between two
             # records is one the faust timer may make
-            slot = None if key is None else book.closed.get(key.decode(errors="replace"))
+            slot = None if key is None else closed.get(_text(key))
             if self.fed % _SWEEP == 0:
-                slot = next(iter(book.closed.values()))
+                slot = next(iter(closed.values()))
             if slot is not None and should_evict(slot.state, self.clock(), self.config):
                 self._expire(_WALL0, outs)
-        opened = len(book.open)
-        _run(book.on_record(self.partition, offset, key, value, _WALL0), outs)
-        if len(book.open) > opened:
-            rid = next(reversed(book.open))
-            heapq.heappush(self.due, (book.open[rid].state.last_ts + self.timeout, rid))
-        now = self.clock()
-        if self.due and self.due[0][0] <= now:
+        open_ = book.open
+        opened = len(open_)
+        step = book.on_record(self.partition, offset, key, value, _WALL0)
+        if step.sends:
+            outs += step.sends
+        if step.on_done is not None:  # as _run: its sends count as acknowledged at once
+            step.on_done()
+        if len(open_) > opened:
+            rid = next(reversed(open_))
+            heapq.heappush(self.due, (open_[rid].state.last_ts + self.timeout, rid))
+        now = book.clock.now(self.partition, _WALL0)
+        due = self.due
+        if due and due[0][0] <= now:
             self._fire(outs)
         return now
 
@@ -384,6 +404,8 @@ class BatchProcessor:
         self.waiting: list[tuple[int, int, int, Out, Trajectory]] = []
         self._made = itertools.count()
         self._blocker: int | None = None  # the partition the first waiting one waits for
+        # ... until its clock passes (made at, partition) of that first one
+        self._blocked_at: tuple[int, int] = (0, 0)
         self.records = 0
         self.finished = False
 
@@ -406,9 +428,15 @@ class BatchProcessor:
                 trajectory = lane.book.made.pop(id(out))
                 heapq.heappush(self.waiting, (now, p, next(self._made), out, trajectory))
                 made = True
-        # what waits can go when the partition that held it back moved, or a new one came
-        if self.waiting and (made or self._blocker in (None, p)):
-            self._release(outs)
+        # what waits can go when a new one came, or the partition that held it back passed it
+        # (while it has not, _release would find it still in the way: clocks never go back)
+        if self.waiting and self.unfinished is not None:
+            if made or self._blocker is None:
+                self._release(outs)
+            elif self._blocker == p:
+                at, first = self._blocked_at
+                if now > at or (now == at and p > first):
+                    self._release(outs)
         return outs
 
     def end_partition(self, partition: int) -> list[Out]:
@@ -475,7 +503,7 @@ class BatchProcessor:
             at, partition = waiting[0][:2]
             for c, p in clocks:
                 if p != partition and (c < at or (c == at and p < partition)):
-                    self._blocker = p
+                    self._blocker, self._blocked_at = p, (at, partition)
                     return
             _, _, _, out, trajectory = heapq.heappop(waiting)
             self._group_lane(out).deliver(out, trajectory, _WALL0, outs)
@@ -520,8 +548,11 @@ def process_batch(
     codec = codec or Codec()
     processor = BatchProcessor(config, codec)
     result = BatchOutput()
+    feed, add = processor.feed, result.add
     for record in _records(items, config, codec):
-        result.add(processor.feed(record))
+        outs = feed(record)
+        if outs:
+            add(outs)
     result.add(processor.finish())
     result.counts = processor.counts()
     return result

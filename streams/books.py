@@ -304,7 +304,8 @@ class RolloutBook(Book):
         self, partition: int, offset: int, key: bytes | None, value: bytes | None, wall_us: int
     ) -> Step:
         step = Step(partition)
-        tally(self.stats, "records")
+        stats = self.stats
+        stats["records"] = stats.get("records", 0) + 1
         try:
             if value is None:
                 raise DecodeError("a record with no value", b"")
@@ -329,7 +330,8 @@ class RolloutBook(Book):
         seq = event.seq
         known = 0 <= seq < state.next_seq or seq in state.pending
         _, outputs = apply(state, event, self.config)
-        step.sends = [self._out(o, slot, event, key, value, offset) for o in outputs]
+        if outputs:
+            step.sends = [self._out(o, slot, event, key, value, offset) for o in outputs]
         closing = was_open and state.phase in _TERMINAL
         if was_open and not known and _holds(state, event):
             if self.tables:
