@@ -332,11 +332,14 @@ def _loss_and_grads(
     return loss.detach(), stats, grads
 
 
+@pytest.mark.parametrize("objective", ["ppo", "decoupled"])
 @pytest.mark.parametrize("normalization", ["rollout", "token", "sequence"])
-def test_tree_mode_equals_path_mode(model: Qwen2ForCausalLM, normalization: str) -> None:
+def test_tree_mode_equals_path_mode(
+    model: Qwen2ForCausalLM, normalization: str, objective: str
+) -> None:
     trees, paths = _tree_and_paths(model)
     assert len(paths) == 3 + 2 + 1
-    config = LossConfig(normalization=normalization)
+    config = LossConfig(normalization=normalization, objective=objective)  # type: ignore[arg-type]
     tree_loss, tree_stats, tree_grads = _loss_and_grads(model, trees, config)
     path_loss, path_stats, path_grads = _loss_and_grads(model, paths, config)
 
@@ -344,7 +347,13 @@ def test_tree_mode_equals_path_mode(model: Qwen2ForCausalLM, normalization: str)
     torch.testing.assert_close(tree_loss, path_loss, rtol=1e-5, atol=0)
     for name in ("clip_frac", "approx_kl", "ratio_mean"):
         torch.testing.assert_close(tree_stats[name], path_stats[name], rtol=1e-5, atol=1e-7)
-    assert 0 < path_stats["clip_frac"] < 1
+    if objective == "ppo":  # the clip against the behaviour policy acts on some tokens
+        assert 0 < path_stats["clip_frac"] < 1
+    else:  # against the weights being trained it never does; the behaviour weights act instead
+        assert path_stats["clip_frac"] == 0
+        torch.testing.assert_close(
+            tree_stats["behaviour_capped_frac"], path_stats["behaviour_capped_frac"]
+        )
     assert tree_grads.keys() == path_grads.keys() and len(tree_grads) > 0
     for name, grad in path_grads.items():
         rel = (tree_grads[name] - grad).norm() / grad.norm()
