@@ -392,19 +392,12 @@ class BackendPool:
                 self._counts["interrupted"] += 1  # cut by an update: go on with the new weights
                 if len(out.token_ids):
                     parts.append(out)
-                done = sum(len(p.token_ids) for p in parts)
-                left = None if params.get("max_tokens") is None else params["max_tokens"] - done
-                if left is not None and left <= 0:
-                    out = dataclasses.replace(out, token_ids=out.token_ids[:0],
-                                              logprobs=out.logprobs[:0], finish_reason="length",
-                                              top_logprobs=None if out.top_logprobs is None
-                                              else [])  # fmt: skip
+                ids, more = _continuation(prompt_ids, params, [p.token_ids for p in parts])
+                if more is None:  # cut at its last token: it ends at the length limit
+                    out = dataclasses.replace(parts.pop(), finish_reason="length")
                     break
+                kwargs = more
                 await self._gate()
-                ids = np.concatenate(
-                    [np.asarray(prompt_ids, dtype=np.uint32), *(p.token_ids for p in parts)]
-                )
-                kwargs = params if left is None else {**params, "max_tokens": left}
             if parts:
                 out = _joined([*parts, out], len(prompt_ids))
             return dataclasses.replace(out, latency_s=time.perf_counter() - started)
@@ -448,7 +441,7 @@ class BackendPool:
         self._inflight += 1
         self._idle.clear()
         try:
-            ids, kwargs, done = prompt_ids, params, 0
+            ids, kwargs = prompt_ids, params
             got: list[int] = []  # the tokens so far, for a continuation's prompt
             cont = False
             while True:
@@ -474,17 +467,13 @@ class BackendPool:
                     return
                 self._counts["interrupted"] += 1
                 got += cut.token_ids
-                done = len(got)
-                left = None if params.get("max_tokens") is None else params["max_tokens"] - done
-                if left is not None and left <= 0:
+                ids, more = _continuation(prompt_ids, params, [got])
+                if more is None:  # cut at its last token: it ends at the length limit
                     yield dataclasses.replace(cut, finish_reason="length", stop_reason=None)
                     return
                 yield dataclasses.replace(cut, finish_reason=None, stop_reason=None, part_end=True)
-                cont = True
+                kwargs, cont = more, True
                 await self._gate()
-                ids = np.concatenate([np.asarray(prompt_ids, dtype=np.uint32),
-                                      np.asarray(got, dtype=np.uint32)])  # fmt: skip
-                kwargs = params if left is None else {**params, "max_tokens": left}
         finally:
             self._inflight -= 1
             if self._inflight == 0:
@@ -698,6 +687,21 @@ class BackendPool:
             "backends": [m.status() for m in self.members],
             "stats": dataclasses.asdict(self.stats),
         }  # fmt: skip
+
+
+def _continuation(
+    prompt_ids: np.ndarray | list[int], params: dict[str, Any], tokens: list[Any]
+) -> tuple[np.ndarray, dict[str, Any] | None]:
+    """The request that goes on with a generation cut after ``tokens`` (arrays or lists of
+    ids): the prompt extended by them, ``max_tokens`` reduced by them; params None when no
+    token is left to generate."""
+    ids = np.concatenate([np.asarray(prompt_ids, dtype=np.uint32),
+                          *(np.asarray(t, dtype=np.uint32) for t in tokens)])  # fmt: skip
+    limit = params.get("max_tokens")
+    if limit is None:
+        return ids, params
+    left = limit - (len(ids) - len(prompt_ids))
+    return ids, ({**params, "max_tokens": left} if left > 0 else None)
 
 
 def _joined(pieces: list[Completion], prompt_tokens: int) -> Completion:

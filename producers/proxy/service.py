@@ -613,32 +613,24 @@ class Proxy:
         self._record_tool_results(ro, tool_results)
         ro.calls += max(1, len(out.parts))
         ro.drift_tokens += drift
+        parts = out.parts or ((len(out.token_ids), out.policy_version),)
+        last = len(parts) - 1
         try:
             start = 0
-            for n, version in out.parts[:-1]:
+            for i, (n, version) in enumerate(parts):
                 ro.handle.llm_call(
                     np.concatenate([prompt, out.token_ids[:start]]) if start else prompt,
                     out.token_ids[start : start + n],
                     out.logprobs[start : start + n],
-                    finish_reason="abort",
+                    call_id=call_id if i == last else None,
+                    finish_reason=out.finish_reason if i == last else "abort",
                     model=out.model or self.model,
                     backend=out.backend,
                     policy_version=version,
-                    drift_tokens=drift if start == 0 else 0,
+                    latency_ms=out.latency_s * 1000.0 if i == last else 0.0,
+                    drift_tokens=drift if i == 0 else 0,
                 )
                 start += n
-            ro.handle.llm_call(
-                np.concatenate([prompt, out.token_ids[:start]]) if start else prompt,
-                out.token_ids[start:],
-                out.logprobs[start:],
-                call_id=call_id,
-                finish_reason=out.finish_reason,
-                model=out.model or self.model,
-                backend=out.backend,
-                policy_version=out.policy_version,
-                latency_ms=out.latency_s * 1000.0,
-                drift_tokens=0 if start else drift,
-            )
         except RecorderUsageError as exc:
             if ro.handle.finished:
                 raise ApiError(409, str(exc), code="rollout_finished") from exc
