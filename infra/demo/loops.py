@@ -3,7 +3,9 @@
 - ``rounds``: one job per round (a group per task); the next round is submitted when this one's
   rollouts finished, and in ``demo_sync`` mode only once the proxy serves the policy trained on
   them (strictly on-policy: every sample trained at staleness 0 when the trainer's batch is one
-  round). Ends when the newest policy has rollouts of its own.
+  round). Ends when the newest policy has rollouts of its own, or once ``solved_rounds`` rounds
+  in a row scored the top reward on every rollout (``round_solved``: every group without
+  spread, so the DAPO filter drops them all and no step is left to train).
 - ``stream``: jobs of one group each are submitted continuously so the RUN stage always has
   work queued (``demo_workers`` rollouts plus a group); the trainer and the rollouts overlap freely,
   bounded by the trainer's staleness filter, and by the controller's admission when it runs.
@@ -32,6 +34,7 @@ __all__ = [
     "job_maker",
     "latest_version",
     "measured_version",
+    "round_solved",
     "rounds",
     "stream",
 ]
@@ -48,6 +51,19 @@ def measured_version(results: list[AgentResult]) -> int:
     return max(
         (min(r.policy_versions) for r in results if r.policy_versions and r.error is None),
         default=0,
+    )
+
+
+TOP_REWARD = 1.0  # the demo's final reward is a share of digits: 1.0 is every answer all digits
+
+
+def round_solved(results: Sequence[AgentResult], expected: int) -> bool:
+    """Every one of the round's ``expected`` rollouts finished, without error, at the top
+    reward: its groups have no spread left to learn from."""
+    return (
+        expected > 0
+        and len(results) >= expected
+        and all(r.error is None and r.final >= TOP_REWARD - 1e-9 for r in results)
     )
 
 
@@ -95,19 +111,26 @@ class Feed:
     deadline: float
     check: Callable[[], Any]
     progress: Callable[[list[AgentResult], int], None]  # (results, rounds submitted)
+    solved: bool = False  # set by ``rounds`` when it ended on ``solved_rounds``
 
 
 def rounds(
-    feed: Feed, per_round: int, sync: bool, stop_at_trained: bool = False
+    feed: Feed,
+    per_round: int,
+    sync: bool,
+    stop_at_trained: bool = False,
+    solved_rounds: int = 0,
 ) -> list[AgentResult]:
     """``stop_at_trained``: end as soon as the proxy serves policy ``steps`` (its own rollouts
-    are not run)."""
+    are not run). ``solved_rounds`` (0: never): end after that many solved rounds in a row
+    (``round_solved``)."""
     results: list[AgentResult] = []
-    round_no = 0
+    round_no = streak = 0
     while (
         time.monotonic() < feed.deadline
         and measured_version(results) < feed.steps
         and not (stop_at_trained and feed.clock.poll(0) >= feed.steps)
+        and not (solved_rounds and streak >= solved_rounds)
     ):
         feed.check()
         job = feed.make_job(round_no)
@@ -122,12 +145,16 @@ def rounds(
             feed.reader, feed.fold, f"{job.id}-", per_round, round_end, feed.check
         )
         results.extend(round_results)
+        solved = round_solved(round_results, per_round)
+        streak = streak + 1 if solved else 0
         round_no += 1
         feed.clock.poll(0)
-        if sync and latest_version(results) < feed.steps:
-            # strictly alternating: wait for the policy these rollouts will train
+        if sync and not solved and latest_version(results) < feed.steps:
+            # strictly alternating: wait for the policy these rollouts will train (a solved
+            # round gives the trainer nothing, so no policy would come)
             feed.clock.wait_for(latest_version(round_results) + 1, feed.deadline, feed.check)
         feed.progress(results, round_no)
+    feed.solved = bool(solved_rounds) and streak >= solved_rounds
     return results
 
 

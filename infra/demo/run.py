@@ -14,7 +14,8 @@
    trains on the samples the processors emit (async RL with bounded staleness); the proxy
    reloads each new policy;
 5. the reward per policy version, as a table and a PNG plot, once ``demo_steps`` policy
-   versions exist or ``demo_max_minutes`` pass.
+   versions exist, ``demo_solved_rounds`` rounds in a row scored the top reward on every
+   rollout (nothing left to train), or ``demo_max_minutes`` pass.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class DemoSettings(stack.StackSettings):
     demo_sample_mode: Literal["path", "tree"] = "path"
     demo_drop_zero_variance: bool = True  # DAPO: groups whose rewards are all equal
     demo_stop_at_trained: bool = False  # end once policy demo_steps is served (no last round)
+    # end once this many rounds in a row scored the top reward on every rollout (no group has
+    # spread left, so no step is left to train); 0: run on to demo_steps or demo_max_minutes
+    demo_solved_rounds: int = Field(default=2, ge=0, le=1000)
 
 
 def rewards_by_version(results: list[AgentResult]) -> dict[int, list[float]]:
@@ -372,7 +376,11 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                     results = loops.stream(feed, settings.demo_group_size, settings.demo_workers)
                 else:
                     results = loops.rounds(
-                        feed, per_round, settings.demo_sync, settings.demo_stop_at_trained
+                        feed,
+                        per_round,
+                        settings.demo_sync,
+                        settings.demo_stop_at_trained,
+                        settings.demo_solved_rounds,
                     )
                 progress(results, 0)
         finally:
@@ -394,6 +402,11 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
         console.print(
             f"mean reward: policy v{next(iter(data))} {statistics.fmean(first):.3f} "
             f"-> v{list(data)[-1]} {statistics.fmean(last):.3f}; plot: {plot}"
+        )
+    if feed.solved:
+        console.print(
+            f"solved: every rollout of the last {settings.demo_solved_rounds} rounds scored "
+            f"the top reward (policy v{max(feed.clock.seen, default=0)})"
         )
     console.print(
         f"{len(results)} rollouts in {time.monotonic() - t0:.0f}s; the broker keeps "
