@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import SecretStr
+from pydantic_settings import SettingsConfigDict
 
 from rollstream.schemas.settings import CommonSettings
 
@@ -21,6 +22,10 @@ LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 class ModelServerSettings(CommonSettings):
     """Settings of the reference inference server (ROLLSTREAM_MODEL_*)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
+    )
 
     model_path: Path | None = None  # default: <home>/models/tiny
     model_name: str = "rollstream-tiny"  # the model id the API answers to
@@ -35,7 +40,7 @@ class ModelServerSettings(CommonSettings):
     model_max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies get a 413
     model_logprobs_mode: LogprobsMode = "processed_logprobs"  # or raw_logprobs (vLLM's)
     model_device: str = "cpu"  # torch device of the model
-    model_torch_threads: int | None = 1  # None: torch default (all cores); 1 is robust on CPU
+    model_torch_threads: int | None = 1  # none or 0: torch's default (all cores); 1: robust
     model_log_level: str = "warning"  # uvicorn's log level
     # Generation and the read-only routes take model_api_key (vLLM's --api-key; the proxy sends
     # ROLLSTREAM_PROXY_BACKEND_API_KEY); unset, they are open and the server warns at start. The
