@@ -24,7 +24,7 @@ counters and open slots read at scrape time, dead letters by stage and code, the
 seeks, faust's commit latency and rebalances. Live while the timer ticks; ready once both tables
 are recovered and no rebalance is in progress.
 
-    ProcessorError                   root of rollstream.streams (the shell)
+    ProcessorError                   the faust shell's errors (errors.py, under StreamsError)
     └── TopicMissingError            a source topic does not exist on the broker
 """
 

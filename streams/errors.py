@@ -5,7 +5,7 @@ imports its root from here).
     ├── StreamsCoreError        (core/errors.py) root of the pure core's errors: ConfigError,
     │                           ContractViolation (-> InvalidTrajectory), ScoringError,
     │                           StateFormatError; drawn there
-    └── ProcessorError          (app.py) the faust shell's errors
+    └── ProcessorError          the faust shell's errors (raised in app.py)
         └── TopicMissingError   a topic the processor reads does not exist (run
                                 ``rollstream topics`` / ``up``)
 

@@ -728,8 +728,9 @@ class Proxy:
         )
 
     def endpoints(self) -> list[Endpoint]:
-        """Every route of the proxy. The model-call POSTs (the first four) are also served by
-        app.py's raw ASGI fast path, with the same answers."""
+        """Every route of the proxy. The model-call POSTs (chat completions, completions and
+        messages, each in both URL forms) are also served by app.py's raw ASGI fast path, with
+        the same answers."""
         api, anthropic, responses = self.api, MessagesApi(self), ResponsesApi(self)
         table: list[tuple[str, str, Handler]] = [
             ("/rollouts/{rollout_id}/v1/chat/completions", "POST", self.chat_completions),

@@ -55,7 +55,7 @@ class ProxySettings(RecorderSettings):
     proxy_tool_format: ToolFormatSetting = "auto"
     proxy_backend_timeout_s: float = 300.0
     # http1: our lean HTTP/1.1 client, the fastest per call (bench/bench_proxy.py
-    # --http-client http1,aiohttp,httpx); aiohttp needs `pip install aiohttp`; https://
+    # --http-client http1,aiohttp,httpx); aiohttp comes with the proxy extra; https://
     # backends always go through httpx
     proxy_http_client: HttpClient = "http1"  # client of each call to a backend: http1|aiohttp|httpx
     proxy_model_path: Path | None = None  # tokenizer + chat template; default <home>/models/tiny
