@@ -34,6 +34,7 @@ __all__ = [
     "job_maker",
     "latest_version",
     "measured_version",
+    "round_has_spread",
     "round_solved",
     "rounds",
     "stream",
@@ -65,6 +66,17 @@ def round_solved(results: Sequence[AgentResult], expected: int) -> bool:
         and len(results) >= expected
         and all(r.error is None and r.final >= TOP_REWARD - 1e-9 for r in results)
     )
+
+
+def round_has_spread(results: Sequence[AgentResult]) -> bool:
+    """Some group of the round has rollouts with different final rewards: the processors make
+    samples of it even with the DAPO filter on (a group without spread is dropped), so the
+    trainer gets something to train."""
+    finals: dict[str, set[float]] = {}
+    for r in results:
+        if r.error is None:
+            finals.setdefault(r.group_id, set()).add(r.final)
+    return any(len(values) > 1 for values in finals.values())
 
 
 @dataclass
@@ -120,10 +132,12 @@ def rounds(
     sync: bool,
     stop_at_trained: bool = False,
     solved_rounds: int = 0,
+    drop_zero_variance: bool = True,
 ) -> list[AgentResult]:
     """``stop_at_trained``: end as soon as the proxy serves policy ``steps`` (its own rollouts
     are not run). ``solved_rounds`` (0: never): end after that many solved rounds in a row
-    (``round_solved``)."""
+    (``round_solved``). ``drop_zero_variance``: the processors drop groups without spread, so
+    in ``sync`` mode a round without any (``round_has_spread``) waits for no policy."""
     results: list[AgentResult] = []
     round_no = streak = 0
     while (
@@ -149,9 +163,10 @@ def rounds(
         streak = streak + 1 if solved else 0
         round_no += 1
         feed.clock.poll(0)
-        if sync and not solved and latest_version(results) < feed.steps:
-            # strictly alternating: wait for the policy these rollouts will train (a solved
-            # round gives the trainer nothing, so no policy would come)
+        trainable = round_has_spread(round_results) if drop_zero_variance else bool(round_results)
+        if sync and trainable and latest_version(results) < feed.steps:
+            # strictly alternating: wait for the policy these rollouts will train (a round the
+            # trainer gets nothing from would wait for a policy that never comes)
             feed.clock.wait_for(latest_version(round_results) + 1, feed.deadline, feed.check)
         feed.progress(results, round_no)
     feed.solved = bool(solved_rounds) and streak >= solved_rounds

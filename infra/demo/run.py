@@ -381,6 +381,7 @@ def _run(settings: DemoSettings, home: Path, console: Console) -> int:
                         settings.demo_sync,
                         settings.demo_stop_at_trained,
                         settings.demo_solved_rounds,
+                        settings.demo_drop_zero_variance,
                     )
                 progress(results, 0)
         finally:

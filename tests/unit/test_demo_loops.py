@@ -17,6 +17,17 @@ def result(i: int, final: float, version: int = 3, error: str | None = None) -> 
                        error=error)  # fmt: skip
 
 
+def test_a_round_has_spread_when_some_group_has_different_final_rewards() -> None:
+    def of(group: str, final: float, error: str | None = None) -> AgentResult:
+        return AgentResult("r", "t", group, 2, 0, final=final, error=error)
+
+    assert loops.round_has_spread([of("a", 0.0), of("a", 0.0), of("b", 0.3), of("b", 0.5)])
+    assert not loops.round_has_spread([of("a", 0.0), of("a", 0.0), of("b", 0.5), of("b", 0.5)])
+    assert not loops.round_has_spread([of("a", 0.0), of("b", 0.5)])  # spread across groups only
+    assert not loops.round_has_spread([of("a", 0.0), of("a", 0.7, error="timeout")])
+    assert not loops.round_has_spread([])
+
+
 def test_a_round_is_solved_only_when_every_rollout_finished_at_the_top_reward() -> None:
     assert loops.round_solved([result(i, 1.0) for i in range(4)], 4)
     assert not loops.round_solved([result(i, 1.0) for i in range(3)], 4)  # one never finished
@@ -64,7 +75,7 @@ def test_rounds_end_after_the_solved_streak_without_waiting_for_a_policy(
     monkeypatch: pytest.MonkeyPatch, sync: bool
 ) -> None:
     scripted = [
-        [result(i, 0.5) for i in range(4)],
+        [result(i, 0.2 * i) for i in range(4)],
         [result(i, 1.0) for i in range(4)],
         [*(result(i, 1.0) for i in range(3)), result(3, 0.9)],  # the streak starts again
         [result(i, 1.0) for i in range(4)],
@@ -77,7 +88,7 @@ def test_rounds_end_after_the_solved_streak_without_waiting_for_a_policy(
     f = feed(clock)
     results = loops.rounds(f, 4, sync, solved_rounds=2)
     assert len(results) == 20 and f.solved
-    # sync waits for the policy trained on an unsolved round only
+    # sync waits for the policy trained on a round with spread only
     assert clock.waited == ([4, 4] if sync else [])
 
 
@@ -88,3 +99,15 @@ def test_without_a_solved_streak_rounds_run_on_to_the_deadline(
     f = feed(Clock(), seconds=0.3)
     results = loops.rounds(f, 4, False, solved_rounds=0)
     assert len(results) >= 8 and not f.solved
+
+
+@pytest.mark.parametrize("dapo", [True, False])
+def test_sync_waits_for_no_policy_after_a_round_without_spread(
+    monkeypatch: pytest.MonkeyPatch, dapo: bool
+) -> None:
+    # every rollout scored 0: with the DAPO filter no sample comes, so no policy would
+    monkeypatch.setattr(loops, "wait_round", lambda *a, **k: [result(i, 0.0) for i in range(4)])
+    clock = Clock()
+    f = feed(clock, seconds=0.3)
+    loops.rounds(f, 4, True, solved_rounds=2, drop_zero_variance=dapo)
+    assert (clock.waited == []) is dapo and not f.solved
