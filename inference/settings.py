@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import SecretStr
-from pydantic_settings import SettingsConfigDict
 
-from rollstream.schemas.settings import CommonSettings
+from rollstream.schemas.settings import NONE_FROM_ENV, CommonSettings
 
 __all__ = ["LogprobsMode", "ModelServerSettings"]
 
@@ -23,9 +22,7 @@ LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 class ModelServerSettings(CommonSettings):
     """Settings of the reference inference server (ROLLSTREAM_MODEL_*)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
-    )
+    model_config = NONE_FROM_ENV
 
     model_path: Path | None = None  # default: <home>/models/tiny
     model_name: str = "rollstream-tiny"  # the model id the API answers to

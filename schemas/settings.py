@@ -36,7 +36,15 @@ from .keys import (
 from .keys import fills as key_fills
 from .topics import Topics
 
-__all__ = ["CommonSettings", "kafka_client_config", "read_home_keys"]
+__all__ = ["NONE_FROM_ENV", "CommonSettings", "kafka_client_config", "read_home_keys"]
+
+
+# The config of a settings class whose optional settings are unset from the environment with
+# ``none`` (ROLLSTREAM_PROC_MAX_CLOCK_AHEAD_S=none). Not CommonSettings': there
+# ROLLSTREAM_COMPRESSION=none is a value.
+NONE_FROM_ENV = SettingsConfigDict(
+    env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
+)
 
 
 class CommonSettings(BaseSettings):

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
-from rollstream.schemas import CommonSettings
 from rollstream.schemas.events import SampleMode
+from rollstream.schemas.settings import NONE_FROM_ENV, CommonSettings
 from rollstream.streams.core import AdvantageConfig, BuilderConfig, GroupConfig, SampleConfig
 
 __all__ = ["ProcessorSettings"]
@@ -31,9 +30,7 @@ _S_TO_US = 1_000_000
 class ProcessorSettings(CommonSettings):
     """The trajectory builder + group aggregator worker (ROLLSTREAM_PROC_* for its own)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
-    )
+    model_config = NONE_FROM_ENV
 
     proc_app_id: str = "rollstream-processor-v1"
     # trajectory builder (BuilderConfig)

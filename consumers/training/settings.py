@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from rollstream.consumers.errors import TrainerError
 from rollstream.consumers.training.ppo import LossConfig, Normalization, Objective
-from rollstream.schemas import CommonSettings
+from rollstream.schemas.settings import NONE_FROM_ENV, CommonSettings
 
 __all__ = ["DEBUG_STAGES", "TRAINER_GROUP", "TRAIN_CONFIG_FIELDS", "TrainerSettings"]
 
@@ -47,9 +46,7 @@ class TrainerSettings(CommonSettings):
     """Settings of the trainer (ROLLSTREAM_*; trainer-only ones are ROLLSTREAM_TRAIN_*).
     An optional setting is unset with the value ``none`` (ROLLSTREAM_TRAIN_MAX_GRAD_NORM=none)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
-    )
+    model_config = NONE_FROM_ENV
 
     model_path: Path | None = None  # initial weights; default <home>/models/tiny (as the server)
     model_create: bool = True  # create the tiny model at model_path when none is there

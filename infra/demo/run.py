@@ -31,7 +31,6 @@ from typing import Literal
 
 import httpx
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -44,6 +43,7 @@ from rollstream.infra.kafka import free_port
 from rollstream.infra.logs import log_to_file
 from rollstream.infra.services import Service, Supervisor
 from rollstream.producers.rollouts.jobqueue import submit_job
+from rollstream.schemas.settings import NONE_FROM_ENV
 
 __all__ = ["DemoSettings", "plot_rewards", "reward_table", "run"]
 
@@ -52,9 +52,7 @@ class DemoSettings(stack.StackSettings):
     """Settings of ``rollstream demo`` (ROLLSTREAM_DEMO_*); an optional one is unset with the
     value ``none`` (ROLLSTREAM_DEMO_FLUSH_IDLE_S=none)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="ROLLSTREAM_", extra="ignore", env_parse_none_str="none"
-    )
+    model_config = NONE_FROM_ENV
     demo_steps: int = 30  # policy versions to train
     demo_max_minutes: float = 10.0  # stop the loop after this long even if steps remain
     demo_tasks: int = 4  # tasks per round (one GRPO group each)
