@@ -27,7 +27,7 @@ draws: the last version's weights answer the demo's first turn for each task ``-
 times with the same prompts and seeds in every mode (``eval_policy``), so only the weights
 differ between modes, not the sampling luck of the rollouts the run happened to make.
 
-    python bench/bench_async_rl.py [--quick] [--runs N] [--steps N] [--modes sync,async,...]
+    python bench/bench_async_rl.py [--quick] [--runs N] [--steps N] [--lr LR] [--modes M,...]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from confluent_kafka import Consumer, TopicPartition
 from rollstream.consumers.training.checkpoint import CheckpointStore
 from rollstream.consumers.training.settings import TrainerSettings
 from rollstream.inference.tinymodel import SamplingParams, generate, load_model, stop_token_ids
+from rollstream.infra.demo import DemoSettings
 from rollstream.infra.demo.agent import SYSTEM, demo_tasks, digit_rewards
 from rollstream.infra.kafka import BrokerConfig, KafkaBroker, free_port
 from rollstream.schemas import Codec, CommonSettings, Sample
@@ -138,6 +139,8 @@ def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) ->
     }
     if args.objective is not None:
         env["ROLLSTREAM_TRAIN_OBJECTIVE"] = args.objective
+    if args.lr is not None:
+        env["ROLLSTREAM_DEMO_LR"] = str(args.lr)
     t = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rollstream.infra.cli", "demo"],
@@ -185,6 +188,8 @@ def run_mode(mode: str, bootstrap: str, home: Path, args: argparse.Namespace) ->
         if last
         else None,
         "eval_reward": round(eval_reward, 4),
+        # k3 KL(behaviour || weights trained) of the last step's samples: how far a step moves
+        "approx_kl_last_step": round(latest.meta.metrics.get("approx_kl", float("nan")), 4),
     }
 
 
@@ -212,6 +217,9 @@ def main() -> None:
         "--objective",
         choices=("ppo", "decoupled"),
         help="the trainer's loss objective (default: the trainer's default)",
+    )
+    ap.add_argument(
+        "--lr", type=float, help="the trainer's learning rate (default: the demo's, 0.01)"
     )
     ap.add_argument("--bootstrap")
     ap.add_argument("--keep", type=Path, help="copy each run's service logs here")
@@ -250,6 +258,7 @@ def main() -> None:
         "env": {"median_s": args.env_median, "sigma": args.env_sigma, "max_s": args.env_max},
         "max_staleness": args.max_staleness,
         "objective": args.objective or TrainerSettings().train_objective,
+        "lr": args.lr if args.lr is not None else DemoSettings().demo_lr,
         "modes": {},
     }
     base = None
@@ -269,6 +278,7 @@ def main() -> None:
             "reward_last_versions": [r["reward_last_versions"] for r in rs],
             "eval_reward": [r["eval_reward"] for r in rs],
             "eval_reward_median": statistics.median(r["eval_reward"] for r in rs),
+            "approx_kl_last_step": [r["approx_kl_last_step"] for r in rs],
         }
     if base:
         for mode in modes:
