@@ -219,7 +219,7 @@ def main() -> None:
         help="the trainer's loss objective (default: the trainer's default)",
     )
     ap.add_argument(
-        "--lr", type=float, help="the trainer's learning rate (default: the demo's, 0.01)"
+        "--lr", type=float, help="the trainer's learning rate (default: the demo's demo_lr)"
     )
     ap.add_argument("--bootstrap")
     ap.add_argument("--keep", type=Path, help="copy each run's service logs here")
