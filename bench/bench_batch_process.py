@@ -18,13 +18,21 @@ Workloads (the events of two other benchmarks, so the figures line up with their
    and the rest by difference (the books, the batch path's timers and ordering; on a busy
    machine the parts' noise lands here too). ``core_only_events_per_s``: the same pipeline
    straight on the pure core, without the books (no timers, no bookkeeping).
+   ``parallel``: the batch path over --workers processes (streams/batch_parallel.py,
+   ``process_batch_parallel``) beside ``process_batch`` in one, side by side in turns, wall
+   time (the children's CPU is not this process's): medians and best of --repeat, the ratio
+   of the medians, and the same outputs checked (samples and trajectories as multisets).
 2. End to end: the processor workload produced into a namespace, then ``run_batch`` into
-   another (idempotent producer, acks=all): events/s over the whole job, wall and CPU.
+   another (idempotent producer, acks=all): events/s over the whole job, wall and CPU; with
+   --workers > 1 also ``run_batch(workers=N)`` into a third.
 3. Unless --quick (or with --faust): bench_processor.py's run on the same broker (a short
    steady phase, then a backlog of the same rollouts): the faust worker's events/s and events
    per worker CPU-second.
 
-    .venv/bin/python bench/bench_batch_process.py [--quick] [--faust] [--bootstrap HOST:PORT]
+    .venv/bin/python bench/bench_batch_process.py [--quick] [--faust] [--workers N]
+        [--bootstrap HOST:PORT]
+
+The target (>= 100k events/s) is met when every workload's ``parallel`` median is.
 
 Starts its own Kafka broker unless --bootstrap. Progress on stderr; the last stdout line is one
 JSON object with the figures.
@@ -57,6 +65,7 @@ from rollstream.schemas import Codec, CommonSettings, Event, LlmCall, Trajectory
 from rollstream.streams.app import group_route
 from rollstream.streams.batch import BatchConfig, SourceRecord, process_batch
 from rollstream.streams.batch_job import run_batch
+from rollstream.streams.batch_parallel import process_batch_parallel
 from rollstream.streams.core import GroupClosed, GroupConfig, add_to_group, apply, expire_group
 from rollstream.streams.settings import ProcessorSettings
 
@@ -107,7 +116,7 @@ def best_cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, result
 
 
-def in_memory(name: str, events: list[Event], repeats: int) -> dict[str, Any]:
+def in_memory(name: str, events: list[Event], repeats: int, workers: int) -> dict[str, Any]:
     """process_batch's events/s, and where its time goes."""
     recs = as_records(events)
     values = [r.value for r in recs]
@@ -166,6 +175,7 @@ def in_memory(name: str, events: list[Event], repeats: int) -> dict[str, Any]:
         return n_samples
 
     core_s, _ = best_cpu(core_only, repeats)
+    parallel = side_by_side(recs, config, workers, repeats)
     encode_s, _ = best_cpu(lambda: [codec.encode(s) for s in samples], repeats)
     us = 1e6 / n
     split = {
@@ -190,13 +200,49 @@ def in_memory(name: str, events: list[Event], repeats: int) -> dict[str, Any]:
         "decode_only_events_per_s": round(n / decode),
         "us_per_event": {k: round(v, 2) for k, v in split.items()},
         "decode_trajectories_us": round(decode_t * us, 2),
+        "parallel": parallel,
     }
     assert len(back) == len(trajectories)
     log(f"{name}: {figures['events_per_s']:,} events/s in memory ({figures['us_per_event']})")
+    log(f"{name}: {workers} processes {parallel}")
     return figures
 
 
-def end_to_end(bootstrap: str, events: list[Event], tmp: Path) -> dict[str, Any]:
+def side_by_side(
+    recs: list[SourceRecord], config: BatchConfig, workers: int, repeats: int
+) -> dict[str, Any]:
+    """Wall events/s of process_batch (one process) and process_batch_parallel (``workers``),
+    in turns; and whether they gave the same outputs."""
+    n, one, many = len(recs), [], []
+    same = True
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a = process_batch(recs, config, codec)
+        t1 = time.perf_counter()
+        b = process_batch_parallel(recs, config, codec, workers=workers)
+        t2 = time.perf_counter()
+        one.append(n / (t1 - t0))
+        many.append(n / (t2 - t1))
+        same = same and all(
+            sorted(o.value or b"" for o in getattr(a, sink))
+            == sorted(o.value or b"" for o in getattr(b, sink))
+            for sink in ("samples", "trajectories", "dlq")
+        )
+        same = same and a.counts == b.counts
+    med_one, med_many = float(np.median(one)), float(np.median(many))
+    return {
+        "workers": workers,
+        "one_process_events_per_s_median": round(med_one),
+        "one_process_events_per_s_best": round(max(one)),
+        "events_per_s_median": round(med_many),
+        "events_per_s_best": round(max(many)),
+        "events_per_s_all": [round(x) for x in many],
+        "speedup_of_medians": round(med_many / med_one, 2),
+        "same_outputs": same,
+    }
+
+
+def end_to_end(bootstrap: str, events: list[Event], tmp: Path, workers: int) -> dict[str, Any]:
     source = CommonSettings(kafka_bootstrap=bootstrap, namespace=f"bs{uuid.uuid4().hex[:8]}")
     target = ProcessorSettings(
         kafka_bootstrap=bootstrap, namespace=f"bt{uuid.uuid4().hex[:8]}", home=tmp / "home"
@@ -210,6 +256,18 @@ def end_to_end(bootstrap: str, events: list[Event], tmp: Path) -> dict[str, Any]
         producer.poll(0)
     assert producer.flush(60) == 0
     result = run_batch(source, target)
+    parallel: dict[str, Any] = {}
+    if workers > 1:
+        other = target.model_copy(update={"namespace": f"bp{uuid.uuid4().hex[:8]}"})
+        got = run_batch(source, other, workers=workers)
+        assert got["counts"] == result["counts"] and got["written"] == result["written"]
+        parallel = {
+            "workers": workers,
+            "events_per_s": got["events_per_s"],
+            "read_and_process_s": got["read_and_process_s"],
+            "flush_s": got["flush_s"],
+            "elapsed_s": got["elapsed_s"],
+        }
     figures = {
         "events": result["events"],
         "written": result["written"],
@@ -221,6 +279,7 @@ def end_to_end(bootstrap: str, events: list[Event], tmp: Path) -> dict[str, Any]
         "events_per_s": result["events_per_s"],
         "read_and_process_events_per_s": round(result["events"] / result["read_and_process_s"]),
         "events_per_cpu_s": round(result["events"] / result["cpu_s"]),
+        "parallel": parallel,
     }
     log(f"end to end: {figures}")
     return figures
@@ -254,10 +313,13 @@ def main() -> int:
     p.add_argument("--rollouts", type=int, default=None, help="processor workload rollouts")
     p.add_argument("--replay-events", type=int, default=None)
     p.add_argument("--repeat", type=int, default=None)
+    p.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 2, help="processes (default: the CPUs)"
+    )
     args = p.parse_args()
     rollouts = args.rollouts or (100 if args.quick else 2000)
     n_replay = args.replay_events or (5_000 if args.quick else 100_000)
-    repeats = args.repeat or (1 if args.quick else 3)
+    repeats = args.repeat or (1 if args.quick else 5)
     with_faust = args.faust or not args.quick
     workloads = {"processor": processor_events(rollouts), "replay": replay_events(n_replay)}
     summary: dict[str, Any] = {
@@ -266,7 +328,9 @@ def main() -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "python": platform.python_version(),
         "target_events_per_s": TARGET,
-        "in_memory": {name: in_memory(name, ev, repeats) for name, ev in workloads.items()},
+        "in_memory": {
+            name: in_memory(name, ev, repeats, args.workers) for name, ev in workloads.items()
+        },
     }
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp_name:
         tmp = Path(tmp_name)
@@ -281,7 +345,7 @@ def main() -> int:
             bootstrap = broker.bootstrap
             log(f"broker up in {time.monotonic() - t0:.1f}s")
         try:
-            summary["end_to_end"] = end_to_end(bootstrap, workloads["processor"], tmp)
+            summary["end_to_end"] = end_to_end(bootstrap, workloads["processor"], tmp, args.workers)
             if with_faust:
                 summary["faust"] = faust(bootstrap, rollouts, tmp)
         finally:
@@ -294,7 +358,8 @@ def main() -> int:
             1,
         )
     summary["meets_target"] = all(
-        w["events_per_s"] >= TARGET for w in summary["in_memory"].values()
+        w["parallel"]["events_per_s_median"] >= TARGET and w["parallel"]["same_outputs"]
+        for w in summary["in_memory"].values()
     )
     print(json.dumps(summary))
     return 0

@@ -792,6 +792,13 @@ _COMMANDS = (
                 required=True,
                 metavar="NS",
             ),
+            flag(
+                "--workers",
+                help="processes (1: streamed; N > 1: the events read into memory first)",
+                setting="batch_workers",
+                type=int,
+                metavar="N",
+            ),
         ),
         cmd_batch,
     ),
@@ -903,6 +910,13 @@ _COMMANDS = (
                 setting="retrain_rebuild",
                 action="store_true",
                 default=None,
+            ),
+            flag(
+                "--workers",
+                help="processes for the batch path (N > 1: the run's events held in memory)",
+                setting="retrain_workers",
+                type=int,
+                metavar="N",
             ),
             flag(
                 "--max-steps",

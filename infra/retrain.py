@@ -87,6 +87,8 @@ class RetrainSettings(ReplaySettings):
     retrain_idle_s: float = Field(2.0, gt=0.0, le=600.0)  # trainer: flush / exit when idle
     retrain_plot: Path | None = None  # write the comparison as a PNG here
     retrain_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)  # topic reads, metadata
+    # processes for the batch path (rebuild and dry run); > 1 holds the run's events in memory
+    retrain_workers: int = Field(1, ge=1, le=64)
 
 
 @dataclass
@@ -330,7 +332,9 @@ def run(settings: RetrainSettings, console: Console | None = None) -> RetrainRes
     if plan.rebuilds_samples or s.retrain_rebuild:
         from rollstream.streams.batch_job import run_batch
 
-        built = run_batch(target, proc, in_place=True, timeout_s=s.retrain_timeout_s)
+        built = run_batch(
+            target, proc, in_place=True, timeout_s=s.retrain_timeout_s, workers=s.retrain_workers
+        )
         result.samples_built = int(built["written"].get("samples", 0))
         result.samples_path = "batch path (streams/batch_job.py) over the replayed events"
     else:
@@ -434,7 +438,8 @@ def _dry_run(
 ) -> RetrainResult:
     """The run's events through the batch path in memory, against the source's samples."""
     from rollstream.streams.app import group_route
-    from rollstream.streams.batch import BatchConfig, SourceRecord, process_batch
+    from rollstream.streams.batch import BatchConfig, SourceRecord
+    from rollstream.streams.batch_parallel import process_batch_parallel
 
     result = RetrainResult(
         s.namespace, s.replay_to, plan.describe(), True, "batch path, in memory (dry run)",
@@ -455,10 +460,11 @@ def _dry_run(
         events_topic=s.topics().events,
         real_now=lambda: time.time_ns() // 1000,
     )
-    out = process_batch(
+    out = process_batch_parallel(
         (SourceRecord(m.partition(), m.offset(), m.key(), m.value()) for m in records),
         config,
         codec,
+        workers=s.retrain_workers,
     )
     after = [codec.decode(o.value, expect=Sample) for o in out.samples]
     result.samples_built = len(after)

@@ -16,6 +16,11 @@ writes the same records again (same ids: consumers deduplicate). The source and 
 namespaces differ, except with ``in_place=True``: a namespace's own events (replayed into it,
 as ``rollstream retrain`` does) processed into its own topics, as a processor there would.
 
+With ``workers`` > 1 (``batch_workers``) the job reads every record first, runs the batch path
+in that many processes (streams/batch_parallel.py: the same records out), then writes: faster
+where cores are free, at the cost of holding the run's events and outputs in memory (one
+worker streams them, its memory bounded by the partitions' clock skew).
+
     ProcessorError                   root of the processor shell (streams/errors.py)
     ├── TopicMissingError            the source events topic does not exist
     └── BatchJobError                bad settings, or records not delivered
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from pydantic import Field
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.adapters.topics import admin_client, ensure_topics, watermarks
@@ -35,6 +42,7 @@ from rollstream.schemas import CommonSettings
 
 from .app import group_route
 from .batch import BatchConfig, BatchProcessor, SourceRecord
+from .batch_parallel import process_batch_parallel
 from .books import Out, Sink
 from .errors import ProcessorError, TopicMissingError
 from .settings import ProcessorSettings
@@ -55,13 +63,20 @@ class BatchSettings(ProcessorSettings):
     batch_source: str = ""  # the namespace whose rollout.events are read (required)
     batch_linger_ms: float = 20.0  # producer linger.ms
     batch_timeout_s: float = 120.0  # the longest wait for metadata and the final flush
+    # processes for the batch path (1: records streamed through one, memory bounded by the
+    # partitions' clock skew; N > 1: the events read into memory, then N processes)
+    batch_workers: int = Field(1, ge=1, le=64)
 
 
 def run(settings: BatchSettings) -> dict[str, Any]:
     """The batch job from ``settings`` (see ``run_batch``)."""
     source = settings.model_copy(update={"namespace": settings.batch_source})
     return run_batch(
-        source, settings, linger_ms=settings.batch_linger_ms, timeout_s=settings.batch_timeout_s
+        source,
+        settings,
+        linger_ms=settings.batch_linger_ms,
+        timeout_s=settings.batch_timeout_s,
+        workers=settings.batch_workers,
     )
 
 
@@ -137,14 +152,19 @@ def run_batch(
     linger_ms: float = 20.0,
     timeout_s: float = 120.0,
     in_place: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Read ``source``'s events to the end seen now, process them as one finished run with
     ``target``'s processor settings, write the outputs to ``target``'s topics. Returns counts
     (the batch path's, and records written per topic) and timings. ``in_place``: the source
-    may be the target namespace (its events replayed there, no processor running on it)."""
+    may be the target namespace (its events replayed there, no processor running on it).
+    ``workers`` > 1: every record is read first, then processed by that many processes
+    (``process_batch_parallel``: the same records out), then written."""
     target_ns = target.namespace.strip(".")
     if not target_ns or (target_ns == source.namespace.strip(".") and not in_place):
         raise BatchJobError("the target namespace must be set and differ from the source")
+    if not 1 <= workers <= 64:
+        raise BatchJobError(f"workers must be 1..64, got {workers}")
     started, cpu0 = time.monotonic(), time.process_time()
     ensure_topics(target)
     source_topic = source.topics().events
@@ -159,6 +179,7 @@ def run_batch(
         }
     )
     output = _Output(target, linger_ms)
+    closed = False
     try:
         n_groups = len(_partitions(admin_client(target), target.topics().trajectories, timeout_s))
         ranges = {
@@ -169,25 +190,37 @@ def run_batch(
         config = BatchConfig.from_settings(
             target, route=group_route(n_groups), events_topic=source_topic, real_now=_real_now_us
         )
-        processor = BatchProcessor(config, build_codec(target), partitions=ends)
+        codec = build_codec(target)
         consumer.assign([TopicPartition(source_topic, p, ranges[p][0]) for p in ends])
         read_started = time.monotonic()
-        _read(consumer, source_topic, ends, processor, output)
-        output.send(processor.finish())
+        if workers == 1:
+            processor = BatchProcessor(config, codec, partitions=ends)
+            _read(consumer, source_topic, ends, processor.feed, processor.end_partition, output)
+            output.send(processor.finish())
+            events, counts = processor.records, processor.counts()
+        else:
+            records: list[SourceRecord] = []
+            _read(consumer, source_topic, ends, _collect(records), _nothing, output)
+            consumer.close()
+            closed = True
+            result = process_batch_parallel(records, config, codec, workers=workers)
+            for outs in (result.trajectories, result.dlq, result.samples):
+                output.send(outs)
+            events, counts = len(records), result.counts
         flush_started = time.monotonic()
         output.finish(timeout_s)
     finally:
-        consumer.close()
+        if not closed:
+            consumer.close()
     done = time.monotonic()
     elapsed = done - started
-    events = processor.records
     return {
         "source_topic": source_topic,
         "target_namespace": target.namespace,
         "partitions": {p: list(r) for p, r in ranges.items()},
         "events": events,
         "written": {str(sink): n for sink, n in output.sent.items()},
-        "counts": processor.counts(),
+        "counts": counts,
         "setup_s": round(read_started - started, 3),
         "read_and_process_s": round(flush_started - read_started, 3),
         "flush_s": round(done - flush_started, 3),
@@ -197,20 +230,39 @@ def run_batch(
     }
 
 
+Feed = Callable[[SourceRecord], list[Out]]
+
+
+def _collect(records: list[SourceRecord]) -> Feed:
+    """A feed that keeps every record (and has nothing to send yet)."""
+
+    def feed(record: SourceRecord) -> list[Out]:
+        records.append(record)
+        return []
+
+    return feed
+
+
+def _nothing(_partition: int) -> list[Out]:
+    return []
+
+
 def _read(
     consumer: Consumer,
     topic: str,
     ends: dict[int, int],
-    processor: BatchProcessor,
+    feed: Feed,
+    end_partition: Callable[[int], list[Out]],
     output: _Output,
 ) -> None:
-    """Feed every record up to ``ends`` to the processor, producing its outputs as they come."""
+    """Feed every record up to ``ends`` (then ``end_partition``), producing the outputs as
+    they come."""
     pending = dict(ends)
-    feed, send = processor.feed, output.send
+    send = output.send
     while pending:
         msgs = _poll(consumer)
         if not msgs:
-            _ended(consumer, topic, pending, processor, output)
+            _ended(consumer, topic, pending, end_partition, output)
             continue
         for msg in msgs:
             err = msg.error()
@@ -227,21 +279,21 @@ def _read(
                 send(outs)
             if offset >= end - 1:
                 del pending[p]
-                send(processor.end_partition(p))
+                send(end_partition(p))
 
 
 def _ended(
     consumer: Consumer,
     topic: str,
     pending: dict[int, int],
-    processor: BatchProcessor,
+    end_partition: Callable[[int], list[Out]],
     output: _Output,
 ) -> None:
     """Partitions whose position reached their end (the last offsets may be no records)."""
     for tp in consumer.position([TopicPartition(topic, p) for p in pending]):
         if tp.offset >= 0 and tp.offset >= pending.get(tp.partition, 1 << 62):
             del pending[tp.partition]
-            output.send(processor.end_partition(tp.partition))
+            output.send(end_partition(tp.partition))
 
 
 def _poll(consumer: Consumer, timeout: float = 0.5) -> list[Any]:

@@ -129,6 +129,16 @@ def test_the_batch_job_writes_what_the_faust_processor_writes(
     }
     assert result["counts"]["groups_expired_at_end"] == 1  # the group without a size
 
+    # two worker processes (the events read into memory first): the same records and counts
+    c = b.model_copy(update={"namespace": f"c{uuid.uuid4().hex[:8]}", "home": tmp_path / "c"})
+    parallel = run_batch(a, c, workers=2)
+    assert parallel["counts"] == result["counts"] and parallel["written"] == result["written"]
+    assert by_id(read_topic(c, c.topics().samples), Sample, "sample_id") == batch_samples
+    assert by_id(read_topic(c, c.topics().trajectories), Trajectory, "rollout_id") == (
+        batch_trajectories
+    )
+    assert builder_dead_letters(read_topic(c, c.topics().dlq)) == batch_dlq
+
     worker = Worker(a, tmp_path, group_timeout_s=str(GROUP_TIMEOUT_S))
     worker.start()
     try:
