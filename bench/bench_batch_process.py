@@ -22,7 +22,7 @@ Workloads (the events of two other benchmarks, so the figures line up with their
    ``process_batch_parallel``) beside ``process_batch`` in one, side by side in turns, wall
    time (the children's CPU is not this process's): medians and best of --repeat, the ratio
    of the medians, and the same outputs checked (samples and trajectories as multisets).
-2. End to end: the processor workload produced into a namespace, then ``run_batch`` into
+2. End to end: each workload produced into a namespace, then ``run_batch`` into
    another (idempotent producer, acks=all): events/s over the whole job, wall and CPU; with
    --workers > 1 also ``run_batch(workers=N)`` into a third.
 3. Unless --quick (or with --faust): bench_processor.py's run on the same broker (a short
@@ -258,7 +258,9 @@ def end_to_end(bootstrap: str, events: list[Event], tmp: Path, workers: int) -> 
     result = run_batch(source, target)
     parallel: dict[str, Any] = {}
     if workers > 1:
-        other = target.model_copy(update={"namespace": f"bp{uuid.uuid4().hex[:8]}"})
+        other = target.model_copy(
+            update={"namespace": f"bp{uuid.uuid4().hex[:8]}", "home": tmp / "home-parallel"}
+        )
         got = run_batch(source, other, workers=workers)
         assert got["counts"] == result["counts"] and got["written"] == result["written"]
         parallel = {
@@ -345,7 +347,10 @@ def main() -> int:
             bootstrap = broker.bootstrap
             log(f"broker up in {time.monotonic() - t0:.1f}s")
         try:
-            summary["end_to_end"] = end_to_end(bootstrap, workloads["processor"], tmp, args.workers)
+            summary["end_to_end"] = {
+                name: end_to_end(bootstrap, events, tmp, args.workers)
+                for name, events in workloads.items()
+            }
             if with_faust:
                 summary["faust"] = faust(bootstrap, rollouts, tmp)
         finally:
