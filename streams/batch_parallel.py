@@ -2,18 +2,21 @@
 
     process_batch_parallel(items, config, codec, workers=N) -> BatchOutput
 
-Phase 1 forks ``workers`` processes, each running the trajectory builders of a share of the
-source partitions (shares balanced by record count) to the end of the input; the parent orders
-the trajectories they made as ``BatchProcessor`` hands them over; phase 2 forks again, each
-process running the group aggregators of a share of the trajectories partitions. The children
-inherit the input by ``fork`` (nothing is pickled on the way in; their results come back
-pickled through a pipe), so this runs where ``fork`` does (Linux). The output is the one
-``process_batch`` gives, as multisets of records (``BatchOutput.trajectories`` in hand-over
-order, dead letters then samples by share), with the same counts.
+Phase 1 runs the trajectory builders of ``workers`` shares of the source partitions (balanced
+by record count) to the end of the input: one share in this process, each other one in a
+forked child. This process orders the trajectories they made as ``BatchProcessor`` hands them
+over; phase 2 runs the group aggregators of shares of the trajectories partitions the same way.
+The children inherit their input by ``fork`` (nothing is pickled on the way in), so this runs
+where ``fork`` does (Linux); each sends its result back pickled in a file, on tmpfs
+(``/dev/shm``) or, where that is missing or full, in the temp folder, removed once read. The
+output is the one ``process_batch`` gives, as multisets of records
+(``BatchOutput.trajectories`` in hand-over order, dead letters then samples by share), with
+the same counts.
 
 What it costs: the whole input in memory (as ``process_batch``), plus the trajectories between
-the phases. It pays where there are cores to spare and enough input (bench_batch_process.py);
-with one worker, or one partition, it runs ``process_batch`` in this process.
+the phases; each child's first write to a page it shares with this process is a page fault.
+It pays where there are cores to spare and the outputs are small beside the work
+(bench_batch_process.py); with one worker, or one partition, it runs ``process_batch`` here.
 
     StreamsError
     └── ProcessorError
@@ -29,6 +32,7 @@ import os
 import pickle
 import tempfile
 import traceback
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
@@ -96,14 +100,21 @@ def process_batch_parallel(
     return result
 
 
+def _folders() -> list[str]:
+    """Where a worker writes its result: tmpfs first (memory speed), then the temp folder
+    (a tmpfs too small for it, as a container's 64 MiB /dev/shm may be)."""
+    temp = tempfile.gettempdir()
+    return [_SHM, temp] if os.path.isdir(_SHM) and temp != _SHM else [temp]
+
+
 def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
     """``[fn(share, local) for share in shares]``: the first in this process (``local``
     True), each other one in a forked child process, whose result comes back pickled in a
-    file (on tmpfs where there is one: a pipe moves large results at a fraction of memory
-    speed) once its pipe says it is there."""
+    file (a pipe moves large results at a fraction of memory speed) named on its pipe."""
     context = multiprocessing.get_context("fork")
-    children: list[tuple[Any, Connection, str]] = []
-    folder = _SHM if os.path.isdir(_SHM) else tempfile.gettempdir()
+    children: list[tuple[Any, Connection, str]] = []  # (process, pipe, file name)
+    folders = _folders()
+    run = f"rollstream-batch-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     # the collectors of the children, and of this process while it runs its share, leave the
     # objects there are now alone: in the children, their pages stay shared; here, a full
     # collection does not walk the input again and again (unless the freezing is someone
@@ -114,51 +125,69 @@ def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
         if freeze:
             gc.freeze()
         try:
-            for share in shares[1:]:
-                fd, path = tempfile.mkstemp(
-                    prefix="rollstream-batch-", suffix=".pickle", dir=folder
-                )
-                os.close(fd)
+            for i, share in enumerate(shares[1:]):
+                name = f"{run}-{i}.pickle"
                 receive, send = context.Pipe(duplex=False)
-                child = context.Process(target=_child, args=(send, fn, share, path), daemon=True)
-                children.append((child, receive, path))
+                child = context.Process(
+                    target=_child, args=(send, fn, share, folders, name), daemon=True
+                )
+                children.append((child, receive, name))
                 child.start()
                 send.close()
             results.append(fn(shares[0], True))
         finally:
             if freeze:
                 gc.unfreeze()
-        for child, receive, path in children:
+        for child, receive, _ in children:
             try:
-                ok, error = receive.recv()
+                ok, said = receive.recv()
             except EOFError:
                 child.join(_JOIN_S)
                 raise BatchWorkerError(
                     f"a batch worker died (exit code {child.exitcode})"
                 ) from None
             if not ok:
-                raise BatchWorkerError(f"a batch worker failed: {error}")
-            with open(path, "rb") as f:
+                raise BatchWorkerError(f"a batch worker failed: {said}")
+            with open(said, "rb") as f:
                 results.append(pickle.loads(f.read()))
     finally:
-        for child, receive, path in children:
+        for child, receive, name in children:
             receive.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
             if child.pid is not None:
                 child.join(_JOIN_S)
                 if child.is_alive():
                     child.kill()
                     child.join()
+            for folder in folders:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
     return results
 
 
-def _child(send: Connection, fn: Callable[[Any, bool], Any], share: Any, path: str) -> None:
+def _child(
+    send: Connection,
+    fn: Callable[[Any, bool], Any],
+    share: Any,
+    folders: list[str],
+    name: str,
+) -> None:
+    """Run ``fn`` on ``share``; say on ``send`` (True, the file with the pickled result) or
+    (False, the error and its traceback)."""
+    reply: tuple[bool, str]
     try:
         result = fn(share, False)
-        with open(path, "wb") as f:
-            pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
-        reply: tuple[bool, str] = (True, "")
+        for n, folder in enumerate(folders):
+            path = os.path.join(folder, name)
+            try:
+                with open(path, "wb") as f:
+                    pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+                reply = (True, path)
+                break
+            except OSError:  # full: the next folder
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                if n == len(folders) - 1:
+                    raise
     except BaseException as exc:  # the parent raises it, with the child's traceback
         reply = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     send.send(reply)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from test_streams_batch import (
 )
 
 from rollstream.schemas import Codec
+from rollstream.streams import batch_parallel
 from rollstream.streams.app import group_route
 from rollstream.streams.batch import BatchConfig, BatchOutput, process_batch
 from rollstream.streams.batch_parallel import BatchWorkerError, process_batch_parallel
@@ -163,6 +167,41 @@ def test_a_dead_worker_is_an_error_with_its_exit_code() -> None:
     with pytest.raises(BatchWorkerError, match="exit code 7"):
         process_batch_parallel(recs, dead, workers=2)
     assert _leftovers() <= before
+
+
+def test_a_folder_that_cannot_take_the_result_falls_back_to_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a container's small /dev/shm: the worker writes its result to the temp folder."""
+    folders = [str(tmp_path / "not-there"), str(tmp_path)]
+    monkeypatch.setattr(batch_parallel, "_folders", lambda: folders)
+    recs, cfg = jittered(7)
+    assert_equal(process_batch_parallel(recs, cfg, workers=2), process_batch(recs, cfg))
+    assert not list(tmp_path.iterdir())  # read, then removed
+
+
+def test_what_this_process_had_not_written_yet_is_written_once(tmp_path: Path) -> None:
+    """Buffered output of the caller is not written again by the workers when they exit
+    (multiprocessing flushes it before each fork)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from test_streams_batch_parallel import jittered
+        from rollstream.streams.batch_parallel import process_batch_parallel
+        recs, cfg = jittered(8)
+        print("before the workers", end="")  # stdout is a pipe: buffered
+        process_batch_parallel(recs, cfg, workers=3)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent)],
+        capture_output=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert out.stdout.decode() == "before the workers"
 
 
 def test_split_evenly_balances_and_leaves_nothing_out() -> None:
