@@ -92,6 +92,16 @@ def build_partitions(
     built, fed = Built(), 0
     made, rest = built.made, built.outs
     order: dict[int, int] = {}
+
+    def take(outs: list[Out], drained: bool, at: int, p: int, lane: _BuilderLane) -> None:
+        for out in outs:
+            if out.sink is Sink.TRAJECTORIES:
+                trajectory = lane.book.made.pop(id(out))
+                made.append(Made(drained, at, p, order[p], out, trajectory if keep else None))
+                order[p] += 1
+            else:
+                rest.append(out)
+
     for record in records:
         p = record.partition
         if p not in partitions:
@@ -103,23 +113,11 @@ def build_partitions(
         fed += 1
         outs: list[Out] = []
         now = lane.feed(record.offset, record.key, record.value, outs)
-        for out in outs:
-            if out.sink is Sink.TRAJECTORIES:
-                trajectory = lane.book.made.pop(id(out))
-                made.append(Made(False, now, p, order[p], out, trajectory if keep else None))
-                order[p] += 1
-            else:
-                rest.append(out)
+        if outs:
+            take(outs, False, now, p, lane)
     for p in sorted(lanes):
-        lane = lanes[p]
-        for delta, sent in lane.drain():
-            for out in sent:
-                if out.sink is Sink.TRAJECTORIES:
-                    trajectory = lane.book.made.pop(id(out))
-                    made.append(Made(True, delta, p, order[p], out, trajectory if keep else None))
-                    order[p] += 1
-                else:
-                    rest.append(out)
+        for delta, sent in lanes[p].drain():
+            take(sent, True, delta, p, lanes[p])
     counts = built.counts
     counts["records"] = fed
     for lane in lanes.values():

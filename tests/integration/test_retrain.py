@@ -208,6 +208,15 @@ def test_a_dry_run_reports_changed_samples_and_writes_nothing(
     assert changed.diff is not None and not changed.diff.identical
     assert changed.diff.advantage_changed > 0 and changed.diff.common == same.diff.common
     assert changed.wall_s < 30
+    parallel = run(  # the batch path over two processes: the same comparison
+        RetrainSettings(
+            **base,
+            retrain_dry_run=True,
+            retrain_sets=["adv_normalize_std=false"],
+            retrain_workers=2,
+        )
+    )
+    assert parallel.diff == changed.diff and parallel.samples_built == changed.samples_built
     other = run(RetrainSettings(**{**base, "retrain_run": "no-such-run"}, retrain_dry_run=True))
     assert other.diff is not None and other.diff.after.samples == 0
     with pytest.raises(RetrainError, match="new rollouts"):
