@@ -121,6 +121,7 @@ def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
     # else's: then it stays as it is)
     freeze = gc.get_freeze_count() == 0
     results: list[R] = []
+    done = False
     try:
         if freeze:
             gc.freeze()
@@ -150,12 +151,14 @@ def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
                 raise BatchWorkerError(f"a batch worker failed: {said}")
             with open(said, "rb") as f:
                 results.append(pickle.loads(f.read()))
+        done = True
     finally:
         for child, receive, name in children:
             receive.close()
             if child.pid is not None:
-                child.join(_JOIN_S)
-                if child.is_alive():
+                if done:  # each has sent its result: it exits now
+                    child.join(_JOIN_S)
+                if child.is_alive():  # a failure here or in another worker: no need for it
                     child.kill()
                     child.join()
             for folder in folders:

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,25 @@ def test_a_failing_worker_raises_its_error_and_leaves_no_file() -> None:
     with pytest.raises(BatchWorkerError, match="ZeroDivisionError"):
         process_batch_parallel(recs, bad, workers=2)
     assert _leftovers() <= before
+
+
+def test_a_failure_here_stops_the_workers_at_once() -> None:
+    """This process's own share fails while the workers still run: they are killed, not
+    waited for."""
+    recs, cfg = jittered(9)
+    parent = os.getpid()
+
+    def route(group_id: str) -> int:
+        if os.getpid() == parent:
+            raise RuntimeError("this process's share failed")
+        time.sleep(2)  # the workers would take ~30 s
+        return EVENTS_ROUTE(group_id)
+
+    slow = BatchConfig(builder=cfg.builder, groups=cfg.groups, route=route)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="share failed"):
+        process_batch_parallel(recs, slow, workers=3)
+    assert time.monotonic() - started < 5
 
 
 def test_a_dead_worker_is_an_error_with_its_exit_code() -> None:
