@@ -252,7 +252,13 @@ def end_to_end(bootstrap: str, events: list[Event], tmp: Path, workers: int) -> 
         {**source.kafka_config(), "enable.idempotence": True, "acks": "all", "linger.ms": 20}
     )
     for e in events:
-        producer.produce(source.topics().events, key=e.rollout_id.encode(), value=codec.encode(e))
+        key, value = e.rollout_id.encode(), codec.encode(e)
+        while True:
+            try:
+                producer.produce(source.topics().events, key=key, value=value)
+                break
+            except BufferError:  # the local queue is full (a broker just up is slow at first)
+                producer.poll(0.1)
         producer.poll(0)
     assert producer.flush(60) == 0
     result = run_batch(source, target)
