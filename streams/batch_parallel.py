@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -149,8 +150,8 @@ def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
                 ) from None
             if not ok:
                 raise BatchWorkerError(f"a batch worker failed: {said}")
-            with open(said, "rb") as f:
-                results.append(pickle.loads(f.read()))
+            with open(said, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                results.append(pickle.loads(m))  # one copy: the file's pages are read in place
         done = True
     finally:
         for child, receive, name in children:
