@@ -794,7 +794,7 @@ _COMMANDS = (
             ),
             flag(
                 "--workers",
-                help="processes (1: streamed; N > 1: the events read into memory first)",
+                help="processes (1: streamed; N > 1: each reads its share into memory)",
                 setting="batch_workers",
                 type=int,
                 metavar="N",

@@ -16,10 +16,15 @@ writes the same records again (same ids: consumers deduplicate). The source and 
 namespaces differ, except with ``in_place=True``: a namespace's own events (replayed into it,
 as ``rollstream retrain`` does) processed into its own topics, as a processor there would.
 
-With ``workers`` > 1 (``batch_workers``) the job reads every record first, runs the batch path
-in that many processes (streams/batch_parallel.py: the same records out), then writes: faster
-where cores are free, at the cost of holding the run's events and outputs in memory (one
-worker streams them, its memory bounded by the partitions' clock skew).
+With ``workers`` > 1 (``batch_workers``) the batch path runs in that many processes in two
+phases (streams/batch_parallel.py, the same records out as multisets), each process with Kafka
+clients of its own, made after the fork: in phase 1 each reads its share of the source
+partitions into memory, runs their builders and writes their trajectories and dead letters; in
+phase 2 each runs the aggregators of its share of the trajectories partitions (over the
+trajectories of all, in the hand-over order) and writes their samples and dead letters. Faster
+where cores are free, at the cost of holding the run's events and trajectories in memory (one
+worker streams them, its memory bounded by the partitions' clock skew). The job returns once
+every worker's records are acknowledged.
 
     ProcessorError                   root of the processor shell (streams/errors.py)
     ├── TopicMissingError            the source events topic does not exist
@@ -30,19 +35,31 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from pydantic import Field
 
 from rollstream.adapters.codecs import build_codec
 from rollstream.adapters.topics import admin_client, ensure_topics, watermarks
-from rollstream.schemas import CommonSettings
+from rollstream.schemas import Codec, CommonSettings
 
 from .app import group_route
 from .batch import BatchConfig, BatchProcessor, SourceRecord
-from .batch_parallel import process_batch_parallel
+from .batch_parallel import fork_map
+from .batch_phases import (
+    Built,
+    Made,
+    aggregate_lanes,
+    build_partitions,
+    lane_of,
+    merge_counts,
+    order_made,
+    split_evenly,
+)
 from .books import Out, Sink
 from .errors import ProcessorError, TopicMissingError
 from .settings import ProcessorSettings
@@ -64,7 +81,7 @@ class BatchSettings(ProcessorSettings):
     batch_linger_ms: float = 20.0  # producer linger.ms
     batch_timeout_s: float = 120.0  # the longest wait for metadata and the final flush
     # processes for the batch path (1: records streamed through one, memory bounded by the
-    # partitions' clock skew; N > 1: the events read into memory, then N processes)
+    # partitions' clock skew; N > 1: N processes, each reading its share into memory)
     batch_workers: int = Field(1, ge=1, le=64)
 
 
@@ -92,6 +109,14 @@ class _Output:
         }
         self.errors: list[str] = []
         self.sent = {sink: 0 for sink in Sink}
+        errors = self.errors
+
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        # the callback holds the error list, not this object: no cycle, so the producer (and
+        # its threads) goes with the last reference to this object, as a fork needs
         self.producer = Producer(
             {
                 **target.kafka_config(),
@@ -104,13 +129,9 @@ class _Output:
                 "queue.buffering.max.kbytes": 1_048_576,
                 "message.max.bytes": target.proc_max_message_bytes,
                 "delivery.report.only.error": True,
-                "on_delivery": self._delivered,
+                "on_delivery": delivered,
             }
         )
-
-    def _delivered(self, err: KafkaError | None, _msg: Any) -> None:
-        if err is not None:
-            self.errors.append(str(err))
 
     def send(self, outs: list[Out]) -> None:
         produce = self.producer.produce
@@ -123,6 +144,8 @@ class _Output:
                     break
                 except BufferError:
                     self.producer.poll(0.05)
+                except KafkaException as exc:  # refused at once (a record over the size limit)
+                    raise BatchJobError(f"cannot write a record to {topic}: {exc}") from exc
             self.sent[out.sink] += 1
         self.producer.poll(0)
 
@@ -158,8 +181,8 @@ def run_batch(
     ``target``'s processor settings, write the outputs to ``target``'s topics. Returns counts
     (the batch path's, and records written per topic) and timings. ``in_place``: the source
     may be the target namespace (its events replayed there, no processor running on it).
-    ``workers`` > 1: every record is read first, then processed by that many processes
-    (``process_batch_parallel``: the same records out), then written."""
+    ``workers`` > 1: that many processes read, process and write (see the module
+    docstring)."""
     target_ns = target.namespace.strip(".")
     if not target_ns or (target_ns == source.namespace.strip(".") and not in_place):
         raise BatchJobError("the target namespace must be set and differ from the source")
@@ -168,17 +191,7 @@ def run_batch(
     started, cpu0 = time.monotonic(), time.process_time()
     ensure_topics(target)
     source_topic = source.topics().events
-    consumer = Consumer(
-        {
-            **source.kafka_config(),
-            "group.id": f"{source.topics().name('rollstream-batch')}-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "fetch.max.bytes": 64 << 20,
-            "max.partition.fetch.bytes": 16 << 20,
-        }
-    )
-    output = _Output(target, linger_ms)
+    consumer = _consumer(source)
     closed = False
     try:
         n_groups = len(_partitions(admin_client(target), target.topics().trajectories, timeout_s))
@@ -191,24 +204,23 @@ def run_batch(
             target, route=group_route(n_groups), events_topic=source_topic, real_now=_real_now_us
         )
         codec = build_codec(target)
-        consumer.assign([TopicPartition(source_topic, p, ranges[p][0]) for p in ends])
         read_started = time.monotonic()
-        if workers == 1:
+        if workers == 1 or len(ends) < 2:
+            consumer.assign([TopicPartition(source_topic, p, ranges[p][0]) for p in ends])
+            output = _Output(target, linger_ms)
             processor = BatchProcessor(config, codec, partitions=ends)
             _read(consumer, source_topic, ends, processor.feed, processor.end_partition, output)
             output.send(processor.finish())
-            events, counts = processor.records, processor.counts()
+            events, counts, sent = processor.records, processor.counts(), output.sent
+            flush_started = time.monotonic()
+            output.finish(timeout_s)
         else:
-            records: list[SourceRecord] = []
-            _read(consumer, source_topic, ends, _collect(records), _nothing, output)
-            consumer.close()
+            consumer.close()  # no Kafka client may live in this process when it forks
             closed = True
-            result = process_batch_parallel(records, config, codec, workers=workers)
-            for outs in (result.trajectories, result.dlq, result.samples):
-                output.send(outs)
-            events, counts = len(records), result.counts
-        flush_started = time.monotonic()
-        output.finish(timeout_s)
+            job = _Workers(source, target, config, codec, linger_ms, timeout_s)
+            starts = {p: ranges[p][0] for p in ends}
+            events, counts, sent = job.run(starts, ends, workers)
+            flush_started = time.monotonic()
     finally:
         if not closed:
             consumer.close()
@@ -219,7 +231,7 @@ def run_batch(
         "target_namespace": target.namespace,
         "partitions": {p: list(r) for p, r in ranges.items()},
         "events": events,
-        "written": {str(sink): n for sink, n in output.sent.items()},
+        "written": {str(sink): n for sink, n in sent.items()},
         "counts": counts,
         "setup_s": round(read_started - started, 3),
         "read_and_process_s": round(flush_started - read_started, 3),
@@ -228,6 +240,84 @@ def run_batch(
         "cpu_s": round(time.process_time() - cpu0, 3),
         "events_per_s": round(events / elapsed) if elapsed else 0,
     }
+
+
+def _consumer(source: CommonSettings) -> Consumer:
+    return Consumer(
+        {
+            **source.kafka_config(),
+            "group.id": f"{source.topics().name('rollstream-batch')}-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": 64 << 20,
+            "max.partition.fetch.bytes": 16 << 20,
+        }
+    )
+
+
+@dataclass
+class _Workers:
+    """The batch path over several processes (streams/batch_parallel.py's two phases), each
+    worker reading and writing Kafka itself: in phase 1 each reads its share of the source
+    partitions and writes the trajectories and dead letters its builders made; in phase 2 each
+    writes the samples and dead letters of its share of the trajectories partitions. Only the
+    trajectories (phase 2 needs them in the hand-over order) and the counts come back. Each
+    worker's Kafka clients are made after the fork and gone before the next one."""
+
+    source: CommonSettings
+    target: ProcessorSettings
+    config: BatchConfig
+    codec: Codec
+    linger_ms: float
+    timeout_s: float
+
+    def run(
+        self, starts: dict[int, int], ends: dict[int, int], workers: int
+    ) -> tuple[int, dict[str, int], dict[Sink, int]]:
+        """(events read, counts, records written per sink)."""
+        sizes = {p: ends[p] - starts[p] for p in ends}  # offsets: records, or an upper bound
+        built = fork_map(
+            lambda share, local: self._build(share, starts, ends, local),
+            split_evenly(sizes, workers),
+        )
+        made = order_made(b for b, _ in built)
+        per_lane = Counter(lane_of(m) for m in made)
+        lanes = split_evenly(per_lane, workers) or [set()]
+        aggregated = fork_map(lambda share, _: self._aggregate(made, share), lanes)
+        sent = {sink: 0 for sink in Sink}
+        for _, part in [*built, *aggregated]:
+            for sink, n in part.items():
+                sent[sink] += n
+        counts = merge_counts([b.counts for b, _ in built] + [c for c, _ in aggregated])
+        return counts["records"], counts, sent
+
+    def _build(
+        self, share: set[int], starts: dict[int, int], ends: dict[int, int], local: bool
+    ) -> tuple[Built, dict[Sink, int]]:
+        topic = self.source.topics().events
+        records: list[SourceRecord] = []
+        output = _Output(self.target, self.linger_ms)
+        consumer = _consumer(self.source)
+        try:
+            consumer.assign([TopicPartition(topic, p, starts[p]) for p in sorted(share)])
+            mine = {p: ends[p] for p in share}
+            _read(consumer, topic, mine, _collect(records), _nothing, output)
+        finally:
+            consumer.close()
+        built = build_partitions(records, self.config, self.codec, share, keep=local)
+        output.send([m.out for m in built.made])
+        output.send(built.outs)
+        output.finish(self.timeout_s)
+        return built, output.sent
+
+    def _aggregate(
+        self, made: list[Made], share: set[int]
+    ) -> tuple[dict[str, int], dict[Sink, int]]:
+        output = _Output(self.target, self.linger_ms)
+        part = aggregate_lanes(made, self.config, self.codec, share)
+        output.send(part.outs)
+        output.finish(self.timeout_s)
+        return part.counts, output.sent
 
 
 Feed = Callable[[SourceRecord], list[Out]]

@@ -52,7 +52,7 @@ from .batch_phases import (
 )
 from .errors import ProcessorError
 
-__all__ = ["BatchWorkerError", "process_batch_parallel"]
+__all__ = ["BatchWorkerError", "fork_map", "process_batch_parallel"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -80,7 +80,7 @@ def process_batch_parallel(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1 or len(per_partition) < 2:
         return process_batch(records, config, codec)
-    builts = _fork_map(
+    builts = fork_map(
         lambda share, local: build_partitions(records, config, codec, share, keep=local),
         split_evenly(per_partition, workers),
     )
@@ -88,7 +88,7 @@ def process_batch_parallel(
     per_lane = Counter(lane_of(m) for m in made)
     shares = split_evenly(per_lane, workers)
     if len(shares) > 1:
-        aggregated = _fork_map(lambda share, _: aggregate_lanes(made, config, codec, share), shares)
+        aggregated = fork_map(lambda share, _: aggregate_lanes(made, config, codec, share), shares)
     else:
         aggregated = [aggregate_lanes(made, config, codec, set(per_lane))]
     result = BatchOutput()
@@ -108,7 +108,7 @@ def _folders() -> list[str]:
     return [_SHM, temp] if os.path.isdir(_SHM) and temp != _SHM else [temp]
 
 
-def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
+def fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
     """``[fn(share, local) for share in shares]``: the first in this process (``local``
     True), each other one in a forked child process, whose result comes back pickled in a
     file (a pipe moves large results at a fraction of memory speed) named on its pipe."""

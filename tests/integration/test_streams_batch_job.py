@@ -7,6 +7,7 @@ partitions), and so are the trajectories and the builder's dead letters."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,7 @@ from rollstream.schemas import (
 )
 from rollstream.schemas.dlq import read_headers
 from rollstream.streams.batch_job import BatchJobError, run_batch
+from rollstream.streams.errors import ProcessorError
 from rollstream.streams.settings import ProcessorSettings
 
 pytestmark = pytest.mark.integration
@@ -129,7 +131,7 @@ def test_the_batch_job_writes_what_the_faust_processor_writes(
     }
     assert result["counts"]["groups_expired_at_end"] == 1  # the group without a size
 
-    # two worker processes (the events read into memory first): the same records and counts
+    # two worker processes (each reads and writes its share): the same records and counts
     c = b.model_copy(update={"namespace": f"c{uuid.uuid4().hex[:8]}", "home": tmp_path / "c"})
     parallel = run_batch(a, c, workers=2)
     assert parallel["counts"] == result["counts"] and parallel["written"] == result["written"]
@@ -160,6 +162,33 @@ def test_the_batch_job_writes_what_the_faust_processor_writes(
     assert faust_trajectories == batch_trajectories
     assert len(faust_dlq) == len(batch_dlq) == 6  # the poison record, the invalid golden log
     assert faust_dlq == batch_dlq  # same record, reason, stage (builder) and source offset
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_record_the_target_refuses_fails_the_job_and_its_workers(
+    kafka_settings: CommonSettings, tmp_path: Path, workers: int
+) -> None:
+    now = time.time_ns() // 1000
+    events = []
+    for r in range(8):  # rollouts on several partitions, each trajectory over 1,000 bytes
+        rid, ids = f"big-{r}", np.arange(400, dtype=np.uint32)
+        bodies: list[Any] = [
+            RolloutStarted(task_id="big", group_id=f"big-{r}", group_size=1),
+            LlmCall(f"{rid}-c0", None, 0, ids, ids[:8].copy(), np.zeros(8, np.float32)),
+            Reward(1.0),
+            RolloutFinished(),
+        ]
+        events += [Event(f"{rid}-{s}", rid, s, now + s, b, "it") for s, b in enumerate(bodies)]
+    produce(kafka_settings, [(e.rollout_id.encode(), codec.encode(e)) for e in events])
+    small = ProcessorSettings(
+        kafka_bootstrap=kafka_settings.kafka_bootstrap,
+        namespace=f"s{uuid.uuid4().hex[:8]}",
+        home=tmp_path / "home",
+        proc_max_message_bytes=1000,  # librdkafka's least message.max.bytes
+    )
+    with pytest.raises(ProcessorError, match=r"cannot write a record to .*too large"):
+        run_batch(kafka_settings, small, workers=workers)
+    assert multiprocessing.active_children() == []  # no worker left behind
 
 
 def test_the_target_must_be_another_namespace(kafka_settings: CommonSettings) -> None:
