@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,17 +48,8 @@ from rollstream.schemas import Codec, CommonSettings
 
 from .app import group_route
 from .batch import BatchConfig, BatchProcessor, SourceRecord
-from .batch_parallel import fork_map
-from .batch_phases import (
-    Built,
-    Made,
-    aggregate_lanes,
-    build_partitions,
-    lane_of,
-    merge_counts,
-    order_made,
-    split_evenly,
-)
+from .batch_parallel import two_phases
+from .batch_phases import Built, Made, aggregate_lanes, build_partitions
 from .books import Out, Sink
 from .errors import ProcessorError, TopicMissingError
 from .settings import ProcessorSettings
@@ -276,20 +266,17 @@ class _Workers:
     ) -> tuple[int, dict[str, int], dict[Sink, int]]:
         """(events read, counts, records written per sink)."""
         sizes = {p: ends[p] - starts[p] for p in ends}  # offsets: records, or an upper bound
-        built = fork_map(
+        phases = two_phases(
+            sizes,
+            workers,
             lambda share, local: self._build(share, starts, ends, local),
-            split_evenly(sizes, workers),
+            self._aggregate,
         )
-        made = order_made(b for b, _ in built)
-        per_lane = Counter(lane_of(m) for m in made)
-        lanes = split_evenly(per_lane, workers) or [set()]
-        aggregated = fork_map(lambda share, _: self._aggregate(made, share), lanes)
         sent = {sink: 0 for sink in Sink}
-        for _, part in [*built, *aggregated]:
+        for _, part in [*phases.built, *phases.aggregated]:
             for sink, n in part.items():
                 sent[sink] += n
-        counts = merge_counts([b.counts for b, _ in built] + [c for c, _ in aggregated])
-        return counts["records"], counts, sent
+        return phases.counts["records"], phases.counts, sent
 
     def _build(
         self, share: set[int], starts: dict[int, int], ends: dict[int, int], local: bool

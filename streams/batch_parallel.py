@@ -35,14 +35,17 @@ import tempfile
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from rollstream.schemas import Codec, Event
 
 from .batch import BatchConfig, BatchOutput, SourceRecord, _records, process_batch
 from .batch_phases import (
+    Built,
+    Made,
     aggregate_lanes,
     build_partitions,
     lane_of,
@@ -50,12 +53,15 @@ from .batch_phases import (
     order_made,
     split_evenly,
 )
+from .books import Out
 from .errors import ProcessorError
 
-__all__ = ["BatchWorkerError", "fork_map", "process_batch_parallel"]
+__all__ = ["BatchWorkerError", "Phases", "fork_map", "process_batch_parallel", "two_phases"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+X = TypeVar("X")
+Y = TypeVar("Y")
 _JOIN_S = 10.0  # how long a worker that has sent its result may take to exit
 _SHM = "/dev/shm"
 
@@ -80,25 +86,54 @@ def process_batch_parallel(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1 or len(per_partition) < 2:
         return process_batch(records, config, codec)
-    builts = fork_map(
-        lambda share, local: build_partitions(records, config, codec, share, keep=local),
-        split_evenly(per_partition, workers),
+
+    def aggregate(made: list[Made], share: set[int]) -> tuple[dict[str, int], list[Out]]:
+        part = aggregate_lanes(made, config, codec, share)
+        return part.counts, part.outs
+
+    phases = two_phases(
+        per_partition,
+        workers,
+        lambda share, local: (build_partitions(records, config, codec, share, keep=local), None),
+        aggregate,
     )
-    made = order_made(builts)
-    per_lane = Counter(lane_of(m) for m in made)
-    shares = split_evenly(per_lane, workers)
-    if len(shares) > 1:
-        aggregated = fork_map(lambda share, _: aggregate_lanes(made, config, codec, share), shares)
-    else:
-        aggregated = [aggregate_lanes(made, config, codec, set(per_lane))]
     result = BatchOutput()
-    result.trajectories = [m.out for m in made]
-    for built in builts:
+    result.trajectories = [m.out for m in phases.made]
+    for built, _ in phases.built:
         result.add(built.outs)
-    for part in aggregated:
-        result.add(part.outs)
-    result.counts = merge_counts([b.counts for b in builts] + [a.counts for a in aggregated])
+    for _, outs in phases.aggregated:
+        result.add(outs)
+    result.counts = phases.counts
     return result
+
+
+@dataclass(slots=True)
+class Phases(Generic[X, Y]):
+    """What ``two_phases`` ran: phase 1's results per share, the trajectories in hand-over
+    order, phase 2's results per share, and the counts of both phases summed."""
+
+    built: list[tuple[Built, X]]
+    made: list[Made]
+    aggregated: list[tuple[dict[str, int], Y]]
+    counts: dict[str, int]
+
+
+def two_phases(
+    sizes: Mapping[int, int],
+    workers: int,
+    build: Callable[[set[int], bool], tuple[Built, X]],
+    aggregate: Callable[[list[Made], set[int]], tuple[dict[str, int], Y]],
+) -> Phases[X, Y]:
+    """The two phases over ``workers`` processes (``fork_map``): ``build(share, local)`` for
+    shares of the source partitions (balanced by ``sizes``: records per partition), then
+    ``aggregate(made, share)`` for shares of the trajectories partitions over every
+    trajectory in hand-over order. Each returns its counts and what else its caller needs."""
+    built = fork_map(build, split_evenly(sizes, workers))
+    made = order_made(b for b, _ in built)
+    lanes = split_evenly(Counter(lane_of(m) for m in made), workers) or [set()]
+    aggregated = fork_map(lambda share, _: aggregate(made, share), lanes)
+    counts = merge_counts([b.counts for b, _ in built] + [c for c, _ in aggregated])
+    return Phases(built, made, aggregated, counts)
 
 
 def _folders() -> list[str]:
