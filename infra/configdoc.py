@@ -1,5 +1,6 @@
 """Writes docs/configuration.md: every ``ROLLSTREAM_*`` variable of every deployable's settings
-class, its default and the comment beside it in the source. A unit test keeps the file current:
+class, its default and the comment beside it in the source (else the comment block right
+above it). A unit test keeps the file current:
 
     python -m rollstream.infra.configdoc > docs/configuration.md
 """
@@ -57,6 +58,7 @@ DEPLOYABLES: tuple[tuple[str, str, str], ...] = (
 )
 
 _FIELD = re.compile(r"^\s{4}(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
+_COMMENT = re.compile(r"^\s{4}#\s?(.*)$")
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -66,10 +68,16 @@ def _comments(cls: type) -> dict[str, str]:
             source = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
+        above: list[str] = []  # the comment lines right above the current line
         for line in source.splitlines():
             m = _FIELD.match(line)
-            if m and m.group(2) and m.group(1) not in out:
-                out[m.group(1)] = m.group(2).strip()
+            if m and m.group(1) not in out:
+                # the comment beside the field, else the comment block right above it
+                text = m.group(2).strip() if m.group(2) else " ".join(above)
+                if text:
+                    out[m.group(1)] = text
+            comment = _COMMENT.match(line)
+            above = [*above, comment.group(1).strip()] if comment else []
     return out
 
 

@@ -38,7 +38,8 @@ class AnalyticsSettings(CommonSettings):
     analytics_enabled: bool = True  # serve the analytics API in the sink process
     analytics_host: str = "127.0.0.1"  # analytics server address (--host)
     analytics_port: int = Field(8300, ge=0, le=65535)  # server port (--port; 0: any free port)
-    # analyst keys (Authorization: Bearer KEY); empty: the server is open (a warning at start)
+    # analyst keys (Authorization: Bearer KEY); unset: the analyst and admin keys of
+    # <home>/keys.json; none there: the server is open (a warning at start)
     analytics_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     analytics_max_execution_time_s: float = Field(30.0, gt=0, le=3600)  # per query
     analytics_max_result_rows: int = Field(1_000_000, ge=1, le=100_000_000)  # per query

@@ -63,8 +63,9 @@ class ControlSettings(CommonSettings):
     control_samples_per_rollout: float = Field(default=1.0, gt=0, le=10_000)  # until measured
     control_samples_per_step: float = Field(default=64.0, gt=0, le=10**7)  # until a version
     control_trainer_group: str = TRAINER_GROUP  # the trainer's consumer group (namespaced)
-    control_min_share: float = Field(default=0.1, ge=0, le=1)
-    control_max_share: float = Field(default=0.9, ge=0, le=1)
+    # the share of accelerators serving inference moves within [min, max]
+    control_min_share: float = Field(default=0.1, ge=0, le=1)  # least inference_share
+    control_max_share: float = Field(default=0.9, ge=0, le=1)  # most inference_share
     control_cooldown_s: float = Field(default=10.0, ge=0, le=3600)  # between share changes
     control_proxy_url: str | None = None  # the proxy whose served policy version is read
     control_proxy_admin_key: SecretStr | None = None  # its admin key (GET /v1/admin/status)

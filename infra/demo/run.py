@@ -74,7 +74,7 @@ class DemoSettings(stack.StackSettings):
     demo_env_max_s: float = Field(default=60.0, ge=0, le=3600)  # its cap
     demo_batch_samples: int | None = Field(default=None, ge=1, le=100_000)  # samples per step
     demo_flush_idle_s: float | None = 3.0  # the trainer trains a partial batch after this idle
-    demo_sample_mode: Literal["path", "tree"] = "path"
+    demo_sample_mode: Literal["path", "tree"] = "path"  # path: per leaf path; tree: per tree
     demo_drop_zero_variance: bool = True  # DAPO: groups whose rewards are all equal
     demo_stop_at_trained: bool = False  # end once policy demo_steps is served (no last round)
     # end once this many rounds in a row scored the top reward on every rollout (no group has

@@ -40,12 +40,13 @@ class ProxySettings(RecorderSettings):
 
     producer: str = Field(default_factory=lambda: f"proxy@{socket.gethostname()}")
     spool_dir: Path | None = Path(".rollstream/spool-proxy")
-    proxy_host: str = "127.0.0.1"
-    proxy_port: int = 8200
+    proxy_host: str = "127.0.0.1"  # address the proxy listens on
+    proxy_port: int = 8200  # its port
+    # base URLs of the model servers (a JSON list or comma-separated)
     proxy_backends: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["http://127.0.0.1:8100"]
     )
-    proxy_backend_kind: Literal["reference", "vllm"] = "reference"
+    proxy_backend_kind: Literal["reference", "vllm"] = "reference"  # reference or vllm
     proxy_backend_model: str | None = None  # the model name sent to the backends
     proxy_backend_api_key: SecretStr | None = None  # bearer key sent to the backends
     # sent instead on the weight and control routes (load_weights, pause, resume, collective_rpc,
@@ -53,7 +54,7 @@ class ProxySettings(RecorderSettings):
     proxy_backend_admin_key: SecretStr | None = None  # bearer key of the backends' weight routes
     # how replies' tool calls are read: auto = chosen by the model's chat template (tool_formats.py)
     proxy_tool_format: ToolFormatSetting = "auto"
-    proxy_backend_timeout_s: float = 300.0
+    proxy_backend_timeout_s: float = 300.0  # longest wait for a backend's answer
     # http1: our lean HTTP/1.1 client, the fastest per call (bench/bench_proxy.py
     # --http-client http1,aiohttp,httpx); aiohttp comes with the proxy extra; https://
     # backends always go through httpx
@@ -63,7 +64,8 @@ class ProxySettings(RecorderSettings):
     proxy_max_model_len: int | None = None  # default: the model's max_position_embeddings
     proxy_max_prompt_tokens: int | None = None  # default: max_model_len
     proxy_default_max_tokens: int = 1024  # chat calls without max_tokens (capped by the room)
-    proxy_max_body_bytes: int = 8 * 1024 * 1024
+    proxy_max_body_bytes: int = 8 * 1024 * 1024  # larger requests: 413
+    # admin keys, which open every route (unset: the admin key of <home>/keys.json; none: open)
     proxy_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     # keys that may score, finish and post lifecycle events of open rollouts (the EVAL stage),
     # and nothing else: no creation, no admin route, no model call (unset: <home>/keys.json)
@@ -71,11 +73,11 @@ class ProxySettings(RecorderSettings):
     proxy_token_secret: SecretStr | None = None  # HMAC key of rollout tokens; None: random
     proxy_public_url: str | None = None  # base of the base_url handed out; default: request's
     proxy_pause_wait_s: float = 60.0  # a paused call waits this long, then gets 429
-    proxy_retry_after_s: float = 2.0
+    proxy_retry_after_s: float = 2.0  # Retry-After of 429 and 503 answers
     proxy_backend_wait_s: float = 30.0  # how long a call waits for a healthy backend
-    proxy_health_interval_s: float = 2.0
+    proxy_health_interval_s: float = 2.0  # backends probed this often
     proxy_rollout_idle_s: float = 3600.0  # rollouts idle this long are finished (timeout)
-    proxy_log_level: str = "warning"
+    proxy_log_level: str = "warning"  # debug, info, warning, error
     proxy_follow_policy: bool = False  # consume policy.versions: pause, drain, reload, resume
     # drain: a weight update waits for the generations in flight (each completion is of one
     # policy version); interrupt: it cuts them and they go on under the new weights, each

@@ -85,6 +85,27 @@ def test_configuration_doc_is_current() -> None:
     )
 
 
+def test_every_setting_has_a_meaning() -> None:
+    assert [line for line in configdoc.render().splitlines() if line.endswith("|  |")] == []
+
+
+class _Documented:
+    beside: int = 1  # the comment beside
+    # a block
+    # of two lines
+    above: int = 2
+    # a section
+
+    bare: int = 3
+
+
+def test_a_settings_meaning_is_the_comment_beside_else_the_block_right_above() -> None:
+    assert configdoc._comments(_Documented) == {
+        "beside": "the comment beside",
+        "above": "a block of two lines",
+    }
+
+
 # --------------------------------------------------------------------------- tasks, evaluator
 
 
