@@ -53,10 +53,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from confluent_kafka import Producer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_processor
+import bench_replay
 from bench_chstore import report_dataset
 
 from rollstream.adapters.topics import ensure_topics
@@ -248,19 +248,7 @@ def end_to_end(bootstrap: str, events: list[Event], tmp: Path, workers: int) -> 
         kafka_bootstrap=bootstrap, namespace=f"bt{uuid.uuid4().hex[:8]}", home=tmp / "home"
     )
     ensure_topics(source)
-    producer = Producer(
-        {**source.kafka_config(), "enable.idempotence": True, "acks": "all", "linger.ms": 20}
-    )
-    for e in events:
-        key, value = e.rollout_id.encode(), codec.encode(e)
-        while True:
-            try:
-                producer.produce(source.topics().events, key=key, value=value)
-                break
-            except BufferError:  # the local queue is full (a broker just up is slow at first)
-                producer.poll(0.1)
-        producer.poll(0)
-    assert producer.flush(60) == 0
+    bench_replay.produce(source, events)  # a full local queue waits for the broker
     result = run_batch(source, target)
     parallel: dict[str, Any] = {}
     if workers > 1:
