@@ -18,6 +18,9 @@ Processes (each its own interpreter, so the proxy is what is measured):
   baseline       with --baseline-rev REV: the same proxy process built from that git revision
                  (git archive into a temp dir, put first on PYTHONPATH), measured in the same
                  run, so before/after compare under the same machine load
+  relay          --stream: the floor of any proxy here, a byte relay in its own process (asyncio
+                 protocols on uvloop, no HTTP parsing, nothing recorded) in front of the fake
+                 backend's direct routes: what one more process and loopback hop add
   LiteLLM        `litellm --config` (one worker) in front of the same fake backend, if installed
   load           64 streams (raw asyncio HTTP/1.1 keep-alive, one connection each), each a
                  multi-turn chat (the reply appended, a new user turn; reset after 8 turns)
@@ -38,7 +41,8 @@ Anthropic Messages events on its own /v1/chat/completions and /v1/messages for d
 and 64 streams call with ``stream: true``, closed loop and then paced (--stream-rate calls/s in
 total): each call's time to the first content token and to the last event ([DONE] /
 message_stop), for the chat API and the Messages API, direct and through the proxy in the same
-run; added_* = proxied - direct, per percentile and phase; cpu_ms_per_call: the backend's and
+run, and through the relay ("relay_<api>": the floor); added_* = proxied (or relayed) - direct,
+per percentile and phase; cpu_ms_per_call: the backend's and
 the proxy's CPU together, own_cpu_ms_per_call: the proxy process's alone. With --baseline-rev
 the proxy of that revision is measured too ("baseline_<api>"), and
 proxy_<api>_own_cpu_over_baseline is the ratio of the two proxies' own CPU per call.
@@ -70,7 +74,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httpx
 
@@ -236,6 +240,63 @@ def serve_proxy(
         recorder = Recorder(settings, transport=SinkTransport())
     app = create_app(settings, recorder=recorder)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def serve_relay(port: int, backend: str) -> None:
+    """The floor of any proxy here: a process that only copies bytes between each client
+    connection and a connection of its own to the backend (asyncio protocols on uvloop, no HTTP
+    parsing, nothing recorded). What it adds over direct is what one more process and one more
+    loopback hop cost on this machine, before a proxy does any work of its own."""
+    import uvloop
+
+    host, _, bport = backend.removeprefix("http://").partition(":")
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, client: asyncio.Transport) -> None:
+            self.client = client
+
+        def data_received(self, data: bytes) -> None:
+            self.client.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.client.close()
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)  # uvloop's: not a subclass
+            self.upstream: asyncio.Transport | None = None
+            self.pending: list[bytes] = []
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                up, _ = await loop.create_connection(
+                    lambda: Upstream(self.transport), host, int(bport)
+                )
+            except OSError:
+                self.transport.close()
+                return
+            self.upstream = cast(asyncio.Transport, up)
+            for data in self.pending:
+                up.write(data)
+            self.pending.clear()
+
+        def data_received(self, data: bytes) -> None:
+            if self.upstream is None:
+                self.pending.append(data)
+            else:
+                self.upstream.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.upstream is not None:
+                self.upstream.close()
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
 
 
 class SinkTransport:
@@ -576,10 +637,14 @@ def stream_bench(args: argparse.Namespace) -> None:
                 [*me, "--serve-proxy", str(bport), "--backend", f"http://127.0.0.1:{fport}",
                  "--model-path", str(mpath), "--http-client", "http1"],
                 work / "baseline.log", benv)  # fmt: skip
-        procs = [p for p in (fake, *(p for _, p in ours.values()), lite) if p is not None]
+        rport = free_port()  # the floor: a byte relay in front of the backend's direct routes
+        relay = spawn([*me, "--serve-relay", str(rport), "--backend", f"http://127.0.0.1:{fport}"],
+                      work / "relay.log")  # fmt: skip
+        procs = [p for p in (fake, relay, *(p for _, p in ours.values()), lite) if p is not None]
         results: dict[str, list[dict[str, Any]]] = {}
         try:
             assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "backend"
+            assert wait_http(f"http://127.0.0.1:{rport}/health", relay, 30), "relay"
             for kind, (port, proc) in ours.items():
                 ok = wait_http(f"http://127.0.0.1:{port}/health", proc, 90)
                 assert ok, (work / f"{kind}.log").read_text()[-2000:]
@@ -590,7 +655,7 @@ def stream_bench(args: argparse.Namespace) -> None:
                         for kind, (port, _) in ours.items()}  # fmt: skip
             targets: list[tuple[str, str, int]] = []
             for api in apis:
-                targets.append((f"direct_{api}", api, fport))
+                targets += [(f"direct_{api}", api, fport), (f"relay_{api}", api, rport)]
                 targets += [(f"{kind}_{api}", api, port) for kind, (port, _) in ours.items()]
             if lite is not None and "chat" in apis:
                 targets.append(("litellm_chat", "chat", lport))
@@ -627,6 +692,7 @@ def stream_bench(args: argparse.Namespace) -> None:
                         kind = target.partition("_")[0]
                         own = (  # the process in front of the backend, if any
                             ours[kind][1].pid if kind in ours else
+                            relay.pid if kind == "relay" else
                             lite.pid if kind == "litellm" and lite else None
                         )  # fmt: skip
                         server = [fake.pid] + ([own] if own is not None else [])
@@ -769,12 +835,15 @@ def main() -> None:
                     help="--stream: the fake backend's time per token")  # fmt: skip
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-proxy", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-relay", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--reply-ids", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_fake:
         return serve_fake(args.serve_fake, [int(x) for x in args.reply_ids.split(",")],
                           args.backend_ms)  # fmt: skip
+    if args.serve_relay:
+        return serve_relay(args.serve_relay, args.backend)
     if args.serve_proxy:
         return serve_proxy(
             args.serve_proxy, args.backend, args.model_path, args.bootstrap, args.http_client
