@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from safetensors.torch import load_file
 
@@ -77,6 +79,8 @@ from rollstream.schemas import (
     RolloutFinished,
     RolloutStarted,
 )
+from rollstream.streams.app import group_route
+from rollstream.streams.batch import BatchConfig, SourceRecord
 from rollstream.streams.batch_job import run_batch
 from rollstream.streams.settings import ProcessorSettings
 
@@ -258,7 +262,7 @@ class FinishedCounter:
             self.consumer.close()
 
 
-def demo_run(steps: int | None, rollouts: int | None) -> dict[str, Any]:
+def demo_run(steps: int | None, rollouts: int | None, workers: int = 2) -> dict[str, Any]:
     """A demo run of ``steps`` policy versions, or stopped once ``rollouts`` rollouts finished,
     retrained from version 0 (see the docstring)."""
     work = Path(tempfile.mkdtemp(prefix="bench-retrain-demo-"))
@@ -272,6 +276,8 @@ def demo_run(steps: int | None, rollouts: int | None) -> dict[str, Any]:
         "ROLLSTREAM_DEMO_STEPS": str(steps or DEMO_STEPS_UNBOUNDED),
         "ROLLSTREAM_DEMO_SINK": "false",
         "ROLLSTREAM_DEMO_MAX_MINUTES": "90",
+        # the demo stops once solved; sized in rollouts, it runs to the count instead
+        "ROLLSTREAM_DEMO_SOLVED_ROUNDS": "0" if rollouts else "2",
     }
     out: dict[str, Any] = {
         "bench": "retrain-demo",
@@ -310,8 +316,11 @@ def demo_run(steps: int | None, rollouts: int | None) -> dict[str, Any]:
         published = out["demo"].get("last_version", last_step)
         if published < last_step:
             say(f"step {last_step} committed but not published: retraining 1..{published}")
-        for mode, rebuild in (("copy", False), ("rebuild", True)):
-            target = f"{ns}{mode[0]}"
+        modes = [("copy", False, 1), ("rebuild", True, 1)]
+        if workers > 1:
+            modes.append((f"rebuild_{workers}_workers", True, workers))
+        for mode, rebuild, n_workers in modes:
+            target = f"{ns}{mode[0]}{n_workers}"
             t0 = time.monotonic()
             r = retrain(
                 RetrainSettings(
@@ -324,6 +333,7 @@ def demo_run(steps: int | None, rollouts: int | None) -> dict[str, Any]:
                     retrain_rebuild=rebuild,
                     retrain_idle_s=1.0,
                     retrain_max_steps=published,
+                    retrain_workers=n_workers,
                 )
             )
             wall = time.monotonic() - t0
@@ -348,11 +358,37 @@ def demo_run(steps: int | None, rollouts: int | None) -> dict[str, Any]:
                 out[f"retrain_{mode}"]["batch_events_per_s"] = round(r.events_replayed / s)
                 out[f"retrain_{mode}"]["batch_samples_per_s"] = round(r.samples_built / s)
             say(f"retrain ({mode}): {out[f'retrain_{mode}']}")
+        out["batch_in_memory"] = demo_in_memory(source, workers)
+        say(f"batch path in memory on the demo's events: {out['batch_in_memory']}")
         out["load_after"] = os.getloadavg()[0]
     finally:
         subprocess.run([*cli, "down"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def demo_in_memory(source: CommonSettings, workers: int, repeats: int = 5) -> dict[str, Any]:
+    """The batch path in memory over the demo's own raw events, as they lie on its events
+    topic (partition, offset, key): ``process_batch`` in one process against
+    ``process_batch_parallel`` over ``workers``, in turns (bench_batch_process.side_by_side)."""
+    import bench_batch_process
+
+    msgs = _read_all(source, source.topics().events)
+    recs = sorted(
+        (
+            SourceRecord(m.partition() or 0, m.offset() or 0, m.key(), m.value())
+            for m in msgs
+            if m.value()
+        ),
+        key=lambda r: (r.partition, r.offset),
+    )
+    config = BatchConfig(route=group_route(bench_batch_process.PARTITIONS))
+    out = bench_batch_process.side_by_side(recs, config, workers, repeats)
+    return {
+        "events": len(recs),
+        "bytes_per_event": round(sum(len(r.value or b"") for r in recs) / max(1, len(recs))),
+        **out,
+    }
 
 
 def last_common_step(a: Path, b: Path) -> int:
@@ -382,6 +418,10 @@ def demo_until(
     The loop time is the original's time to train what the retrain trains: from the first job
     (its record's ``at``) to the last PolicyVersion's timestamp on the policy topic."""
     say(f"demo: until {rollouts} rollouts finished, in {source.home} ...")
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started in the background by a shell without job control: an ignored SIGINT is
+        # inherited through exec, and the demo would never see the one that stops it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [*cli, "demo"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -449,6 +489,13 @@ def main() -> None:
     ap.add_argument("--bootstrap", help="use this Kafka instead of starting one")
     ap.add_argument("--rollouts", type=int)
     ap.add_argument("--batch-samples", type=int, default=8)
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="demo runs: also retrain with the batch path over this many processes, and time "
+        "it in memory on the demo's events against one process (1: neither)",
+    )
     demo = ap.add_mutually_exclusive_group()
     demo.add_argument("--demo-steps", type=int, help="retrain a recorded demo run of N versions")
     demo.add_argument(
@@ -456,7 +503,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.demo_steps or args.demo_rollouts:
-        print(json.dumps(demo_run(args.demo_steps, args.demo_rollouts)))
+        print(json.dumps(demo_run(args.demo_steps, args.demo_rollouts, args.workers)))
         return
     n = args.rollouts or (32 if args.quick else 512)
     work = Path(tempfile.mkdtemp(prefix="bench-retrain-"))
