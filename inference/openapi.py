@@ -60,7 +60,10 @@ _COMPLETION = _schema(
 )
 _MESSAGE = _schema("role content", role=_S, content=_S)
 _CHAT = _schema(
-    "messages", messages={"type": "array", "minItems": 1, "items": _MESSAGE}, **_SAMPLING
+    "messages",
+    messages={"type": "array", "minItems": 1, "items": _MESSAGE},
+    **{**_SAMPLING, "stream": _B},
+    stream_options=_schema("", include_usage=_B),
 )
 _LOAD = _schema("path", path={**_S, "minLength": 1}, version=_int(0, POLICY_VERSION_MAX))
 _RPC = _schema(

@@ -7,7 +7,8 @@ Routes (request and response shapes follow vLLM's OpenAI server; docs/model-serv
                                 ``logprobs`` + ``return_tokens_as_token_ids`` ("token_id:N");
                                 ``stream: true``: vLLM's chunks, one per sampled token, as SSE
                                 (``EventStream``; a client that hangs up aborts its row)
-    POST /v1/chat/completions   plain chat: messages rendered with the model's chat template
+    POST /v1/chat/completions   plain chat: messages rendered with the model's chat template;
+                                ``stream: true``: vLLM's chat.completion.chunk events
     GET  /v1/models             model card (max_model_len, policy_version)
     GET  /openapi.json          every route, its bounds and errors (openapi.py)
     GET  /health                200 once the model is loaded, 503 before
@@ -199,31 +200,51 @@ class _Api:
                 raise RequestRefused("`stream` takes one prompt", param="prompt")
             include_usage = wire.stream_options(body)
             steps = sched.stream(prompts[0], params)  # queued now: 503 when full
-            return EventStream(self._sse_completion(steps, body, prompts[0], include_usage))
+            head = self._head("cmpl", "text_completion")
+            skip = body.get("skip_special_tokens", True) is not False
+            tok, prompt = engine.tokenizer, prompts[0]
+            return EventStream(
+                self._sse_steps(
+                    steps,
+                    prompt,
+                    include_usage,
+                    head,
+                    wire.IncrementalText(tok, skip_special_tokens=skip),
+                    lambda step, piece, n, offset: [
+                        wire.completion_chunk(
+                            head, body, step, piece, offset, prompt if n == 0 else None, tok
+                        )
+                    ],
+                )
+            )
         outs = await asyncio.gather(*(self.metrics.submit(sched, p, params) for p in prompts))
         return JSONResponse(
             wire.completion_body(body, prompts, params, outs, engine.tokenizer, name)
         )
 
-    async def _sse_completion(
-        self,
-        steps: AsyncIterator[TokenStep],
-        body: dict[str, Any],
-        prompt: list[int],
-        include_usage: bool,
-    ) -> AsyncIterator[bytes]:
-        """A streamed completion in vLLM's chunks (one per sampled token, the finish reason on
-        the last), the usage chunk if asked for, ``data: [DONE]``. An error after the first
-        byte is a ``data: {"error": ...}`` event, as vLLM sends it."""
-        tok, metrics = self.engine.tokenizer, self.metrics
-        head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
+    def _head(self, prefix: str, kind: str) -> dict[str, Any]:
+        """The fields every chunk of one streamed answer repeats."""
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
             "created": int(time.time()),
             "model": self.settings.model_name,
         }
-        skip = body.get("skip_special_tokens", True) is not False
-        text = wire.IncrementalText(tok, skip_special_tokens=skip)
+
+    async def _sse_steps(
+        self,
+        steps: AsyncIterator[TokenStep],
+        prompt: list[int],
+        include_usage: bool,
+        head: dict[str, Any],
+        text: wire.IncrementalText,
+        chunk: Callable[[TokenStep, str, int, int], list[dict[str, Any]]],
+    ) -> AsyncIterator[bytes]:
+        """A streamed answer: the events of ``chunk(step, piece, n, offset)`` per sampled token
+        (``piece``: the new complete text, ``n``: the tokens before, ``offset``: the text sent
+        before), the usage chunk if asked for, ``data: [DONE]``. An error after the first byte
+        is a ``data: {"error": ...}`` event, as vLLM sends it."""
+        metrics = self.metrics
         n = offset = 0
         started, outcome = time.perf_counter(), "aborted"
         try:
@@ -231,10 +252,10 @@ class _Api:
                 piece = text.push(step.token_id)
                 if step.finish_reason is not None:
                     piece += text.flush()
-                first = prompt if n == 0 else None
-                chunk = wire.completion_chunk(head, body, step, piece, offset, first, tok)
+                events = chunk(step, piece, n, offset)
                 offset, n = offset + len(piece), n + 1
-                yield _sse(chunk)
+                for event in events:
+                    yield _sse(event)
             if include_usage:
                 yield _sse(wire.usage_chunk(head, len(prompt), n))
             outcome = "finished"
@@ -252,20 +273,37 @@ class _Api:
         yield b"data: [DONE]\n\n"
 
     async def chat_completions(self, request: Request) -> Response:
-        """Plain chat (vLLM's route, without streaming, tools or multiple choices): the messages
-        rendered with the model's chat template, one completion, its text as the reply. For
-        harnesses and proxies that speak chat to the backend (LiteLLM, a direct baseline); the
-        recording proxy sends token ids to /v1/completions instead."""
+        """Plain chat (vLLM's route, without tools or multiple choices): the messages rendered
+        with the model's chat template, one completion, its text as the reply; with ``stream:
+        true`` as vLLM streams it (``chat.completion.chunk`` events: the role first, then the
+        text as it is generated, the finish reason on the last token's chunk). For harnesses
+        and proxies that speak chat to the backend (LiteLLM, a direct baseline); the recording
+        proxy sends token ids to /v1/completions instead."""
         sched, engine, name = self.live(), self.engine, self.settings.model_name
         sched.arriving += 1
         try:
             body = await _json(request, self.settings.model_max_request_bytes)
-            if body.get("stream"):
-                raise RequestRefused("`stream` is not supported on this route", param="stream")
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestRefused("`stream` must be a boolean", param="stream")
+            include_usage = wire.stream_options(body) if stream else False
             prompt = wire.chat_prompt(body, engine.tokenizer, engine.vocab, name)
             params = wire.sampling(body, engine.max_len, len(prompt), self.seeds.getrandbits(63))
         finally:
             sched.arriving -= 1
+        if stream:
+            steps = sched.stream(prompt, params)  # queued now: 503 when full
+            head = self._head("chatcmpl", "chat.completion.chunk")
+
+            def chunk(step: TokenStep, piece: str, n: int, offset: int) -> list[dict[str, Any]]:
+                version = step.policy_version
+                out = [wire.chat_chunk(head, "", None, version, role=True)] if n == 0 else []
+                if piece or step.finish_reason is not None:  # else: a character split in tokens
+                    out.append(wire.chat_chunk(head, piece, step.finish_reason, version))
+                return out
+
+            text = wire.IncrementalText(engine.tokenizer)
+            return EventStream(self._sse_steps(steps, prompt, include_usage, head, text, chunk))
         result, version = await self.metrics.submit(sched, prompt, params)
         return JSONResponse(wire.chat_body(prompt, result, version, engine.tokenizer, name))
 

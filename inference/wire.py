@@ -349,6 +349,24 @@ def completion_chunk(
     return {**head, "choices": [choice], "policy_version": step.policy_version}
 
 
+def chat_chunk(
+    head: dict[str, Any],
+    content: str,
+    finish_reason: str | None,
+    policy_version: int,
+    *,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One streamed ``chat.completion.chunk``, as vLLM sends it: the first with the role and
+    empty content, then the new text of each step, the finish reason on the last token's.
+    ``policy_version`` rides on every chunk (rollstream)."""
+    delta: dict[str, Any] = (
+        {"role": "assistant", "content": content} if role else {"content": content}
+    )
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {**head, "choices": [choice], "policy_version": policy_version}
+
+
 def usage_chunk(head: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """The usage chunk after the last token (``stream_options.include_usage``)."""
     return {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}

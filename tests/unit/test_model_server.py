@@ -201,7 +201,8 @@ def test_chat_route_renders_the_template_and_answers_like_the_token_route(server
         ({"messages": []}, 400),
         ({"messages": [{"role": "user"}]}, 400),
         ({"messages": messages, "tools": [{"type": "function"}]}, 400),
-        ({"messages": messages, "stream": True}, 400),
+        ({"messages": messages, "stream": "yes"}, 400),
+        ({"messages": messages, "stream": True, "stream_options": 1}, 400),
         ({"messages": messages, "model": "gpt-9"}, 404),
     ]:
         r = httpx.post(f"{server.url}/v1/chat/completions", json=bad, timeout=60)

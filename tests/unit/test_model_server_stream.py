@@ -96,6 +96,51 @@ def test_streamed_chunks_carry_what_the_whole_answer_carries(url: str) -> None:
     assert all(isinstance(c["policy_version"], int) for c in chunks)
 
 
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is up?"},
+]
+
+
+def test_streamed_chat_says_what_the_whole_chat_answer_says(url: str) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 30, "seed": 3, "temperature": 1.0}
+    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=stream, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in events[:-1]}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
+    assert all(set(d) == {"content"} for d in deltas)
+    assert "".join(d["content"] for d in deltas) == whole["choices"][0]["message"]["content"]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finish[:-1] == [None] * (len(chunks) - 1)
+    assert finish[-1] == whole["choices"][0]["finish_reason"]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert all(c["policy_version"] == whole["policy_version"] for c in chunks)
+
+
+def test_the_openai_client_streams_chat_from_the_model_server(url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    body: dict[str, Any] = {"model": "rollstream-tiny", "messages": MESSAGES, "max_tokens": 20}
+    whole = client.chat.completions.create(**body, temperature=0)
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(**body, temperature=0, stream=True):
+        choice = chunk.choices[0]
+        pieces.append(choice.delta.content or "")
+        finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(**body, stream="yes")  # type: ignore[call-overload]
+
+
 def test_first_chunk_leaves_long_before_the_last(url: str) -> None:
     body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "seed": 1, "stream": True}
 
