@@ -39,17 +39,19 @@ Streaming (--stream): the fake backend streams its reply one token per chunk, --
 (vLLM's text_completion chunks on /v1/completions for the proxy; OpenAI chat chunks and
 Anthropic Messages events on its own /v1/chat/completions and /v1/messages for direct calls),
 and 64 streams call with ``stream: true``, closed loop and then paced (--stream-rate calls/s in
-total): each call's time to the first content token and to the last event ([DONE] /
+total); with --backend-server reference (chat only) the tiny model streams instead, greedy, up
+to 64 tokens (direct calls make the server render the chat template; the proxy sends ids).
+Per call: the time to the first content token and to the last event ([DONE] /
 message_stop), for the chat API and the Messages API, direct and through the proxy in the same
 run, and through the relay ("relay_<api>": the floor); added_* = proxied (or relayed) - direct,
-per percentile and phase; cpu_ms_per_call: the backend's and
-the proxy's CPU together, own_cpu_ms_per_call: the proxy process's alone. With --baseline-rev
-the proxy of that revision is measured too ("baseline_<api>"), and
-proxy_<api>_own_cpu_over_baseline is the ratio of the two proxies' own CPU per call.
+per percentile and phase; cpu_ms_per_call: the backend's and the proxy's CPU together,
+own_cpu_ms_per_call: the proxy process's alone. With --baseline-rev the proxy of that revision
+is measured too ("baseline_<api>"), and proxy_<api>_own_cpu_over_baseline is the ratio of the
+two proxies' own CPU per call.
 LiteLLM (if it starts) is measured on the chat API the same way.
 
     .venv/bin/python bench/bench_proxy.py --stream [--quick] [--token-ms 20] [--api chat,messages]
-        [--baseline-rev HEAD]
+        [--baseline-rev HEAD] [--backend-server reference --api chat]
 
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
@@ -514,7 +516,7 @@ class SseCall(Stream):
         if self.turn % 8 == 0:
             self.messages = [{"role": "user", "content": f"Question {self.index}: what is up?"}]
         body: dict[str, Any] = {"model": "fake", "messages": self.messages, "max_tokens": 64,
-                                "stream": True}  # fmt: skip
+                                "stream": True, **self.extra}  # fmt: skip
         if self.api == "messages":
             body["system"] = "You are a concise assistant."
         else:
@@ -609,6 +611,8 @@ def stream_bench(args: argparse.Namespace) -> None:
     duration = args.duration or (2.0 if args.quick else 10.0)
     rounds = args.rounds or (1 if args.quick else 3)
     apis = [a.strip() for a in args.api.split(",") if a.strip()]
+    if args.backend_server == "reference" and apis != ["chat"]:
+        raise SystemExit("--stream --backend-server reference: --api chat (it serves no Messages)")
     deadline = time.monotonic() + (27.0 if args.quick else 600.0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -623,9 +627,16 @@ def stream_bench(args: argparse.Namespace) -> None:
         pieces = [chat.decode([t]) for t in reply_ids]
         me = [sys.executable, str(Path(__file__).resolve())]
         env = {**os.environ, "BENCH_REPLY_PIECES": json.dumps(pieces)}
-        fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
-                      ",".join(map(str, reply_ids)), "--backend-ms", str(args.token_ms)],
-                     work / "fake.log", env)  # fmt: skip
+        if args.backend_server == "reference":  # the tiny model, streaming as vLLM does
+            cli = str(Path(sys.executable).with_name("rollstream"))
+            env = {**os.environ, "ROLLSTREAM_MODEL_NAME": "fake"}  # the name clients ask for
+            fake = spawn([cli, "serve-model", "--port", str(fport), "--model", str(mpath)],
+                         work / "fake.log", env)  # fmt: skip
+            Stream.extra = {"temperature": 0}  # greedy: the same tokens whichever way in
+        else:
+            fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
+                          ",".join(map(str, reply_ids)), "--backend-ms", str(args.token_ms)],
+                         work / "fake.log", env)  # fmt: skip
         proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
                        "--model-path", str(mpath), "--http-client", "http1"],
                       work / "proxy.log")  # fmt: skip
@@ -643,7 +654,7 @@ def stream_bench(args: argparse.Namespace) -> None:
         procs = [p for p in (fake, relay, *(p for _, p in ours.values()), lite) if p is not None]
         results: dict[str, list[dict[str, Any]]] = {}
         try:
-            assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 60), "backend"
+            assert wait_http(f"http://127.0.0.1:{fport}/health", fake, 120), "backend"
             assert wait_http(f"http://127.0.0.1:{rport}/health", relay, 30), "relay"
             for kind, (port, proc) in ours.items():
                 ok = wait_http(f"http://127.0.0.1:{port}/health", proc, 90)
@@ -720,7 +731,8 @@ def stream_bench(args: argparse.Namespace) -> None:
                     p.kill()
 
     out: dict[str, Any] = {
-        "mode": "stream", "streams": args.streams, "token_ms": args.token_ms,
+        "mode": "stream", "backend_server": args.backend_server, "streams": args.streams,
+        "token_ms": args.token_ms if args.backend_server == "fake" else None,
         "paced_rate": args.stream_rate,
         "tokens_per_reply": len(reply_ids), "duration_s": duration, "rounds": rounds,
     }  # fmt: skip
