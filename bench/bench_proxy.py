@@ -370,6 +370,28 @@ def baseline_tree(rev: str, work: Path) -> Path:
     return pp
 
 
+def start_backend(
+    kind: str, port: int, mpath: Path, reply_ids: list[int], service_ms: float, work: Path
+) -> subprocess.Popen[bytes]:
+    """``fake``: this script's fake backend (the fixed reply, after ``service_ms``, per token
+    when streamed); ``reference``: `rollstream serve-model` with the tiny model, answering
+    both APIs, and every load stream greedy (the same tokens whichever way in)."""
+    if kind == "reference":
+        cli = str(Path(sys.executable).with_name("rollstream"))
+        env = {**os.environ, "ROLLSTREAM_MODEL_NAME": "fake"}  # the name clients ask for
+        Stream.extra = {"temperature": 0}
+        return spawn([cli, "serve-model", "--port", str(port), "--model", str(mpath)],
+                     work / "fake.log", env)  # fmt: skip
+    from rollstream.producers.proxy.chat import ChatTemplate
+
+    chat = ChatTemplate.from_dir(mpath)
+    pieces = [chat.decode([t]) for t in reply_ids]
+    env = {**os.environ, "BENCH_REPLY_PIECES": json.dumps(pieces)}
+    return spawn([sys.executable, str(Path(__file__).resolve()), "--serve-fake", str(port),
+                  "--reply-ids", ",".join(map(str, reply_ids)), "--backend-ms", str(service_ms)],
+                 work / "fake.log", env)  # fmt: skip
+
+
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -624,19 +646,8 @@ def stream_bench(args: argparse.Namespace) -> None:
 
         chat = ChatTemplate.from_dir(mpath)
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
-        pieces = [chat.decode([t]) for t in reply_ids]
         me = [sys.executable, str(Path(__file__).resolve())]
-        env = {**os.environ, "BENCH_REPLY_PIECES": json.dumps(pieces)}
-        if args.backend_server == "reference":  # the tiny model, streaming as vLLM does
-            cli = str(Path(sys.executable).with_name("rollstream"))
-            env = {**os.environ, "ROLLSTREAM_MODEL_NAME": "fake"}  # the name clients ask for
-            fake = spawn([cli, "serve-model", "--port", str(fport), "--model", str(mpath)],
-                         work / "fake.log", env)  # fmt: skip
-            Stream.extra = {"temperature": 0}  # greedy: the same tokens whichever way in
-        else:
-            fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
-                          ",".join(map(str, reply_ids)), "--backend-ms", str(args.token_ms)],
-                         work / "fake.log", env)  # fmt: skip
+        fake = start_backend(args.backend_server, fport, mpath, reply_ids, args.token_ms, work)
         proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
                        "--model-path", str(mpath), "--http-client", "http1"],
                       work / "proxy.log")  # fmt: skip
@@ -881,16 +892,7 @@ def main() -> None:
         chat = ChatTemplate.from_dir(mpath)
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
         me = [sys.executable, str(Path(__file__).resolve())]
-        if args.backend_server == "reference":  # the real tiny model, answering both APIs
-            cli = str(Path(sys.executable).with_name("rollstream"))
-            env = {**os.environ, "ROLLSTREAM_MODEL_NAME": "fake"}  # the name clients ask for
-            fake = spawn([cli, "serve-model", "--port", str(fport), "--model", str(mpath)],
-                         work / "fake.log", env)  # fmt: skip
-            Stream.extra = {"temperature": 0}  # greedy: the same tokens whichever way in
-        else:
-            fake = spawn([*me, "--serve-fake", str(fport), "--reply-ids",
-                          ",".join(map(str, reply_ids)), "--backend-ms", str(args.backend_ms)],
-                         work / "fake.log")  # fmt: skip
+        fake = start_backend(args.backend_server, fport, mpath, reply_ids, args.backend_ms, work)
         ours: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # target -> (port, process)
         for i, client in enumerate(clients):
             target = "proxy" if i == 0 else f"proxy_{client}"
