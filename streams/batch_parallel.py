@@ -56,7 +56,7 @@ from .batch_phases import (
 from .books import Out
 from .errors import ProcessorError
 
-__all__ = ["BatchWorkerError", "Phases", "fork_map", "process_batch_parallel", "two_phases"]
+__all__ = ["BatchWorkerError", "Phases", "process_batch_parallel", "two_phases"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -124,14 +124,14 @@ def two_phases(
     build: Callable[[set[int], bool], tuple[Built, X]],
     aggregate: Callable[[list[Made], set[int]], tuple[dict[str, int], Y]],
 ) -> Phases[X, Y]:
-    """The two phases over ``workers`` processes (``fork_map``): ``build(share, local)`` for
+    """The two phases over ``workers`` processes (``_fork_map``): ``build(share, local)`` for
     shares of the source partitions (balanced by ``sizes``: records per partition), then
     ``aggregate(made, share)`` for shares of the trajectories partitions over every
     trajectory in hand-over order. Each returns its counts and what else its caller needs."""
-    built = fork_map(build, split_evenly(sizes, workers))
+    built = _fork_map(build, split_evenly(sizes, workers))
     made = order_made(b for b, _ in built)
     lanes = split_evenly(Counter(lane_of(m) for m in made), workers) or [set()]
-    aggregated = fork_map(lambda share, _: aggregate(made, share), lanes)
+    aggregated = _fork_map(lambda share, _: aggregate(made, share), lanes)
     counts = merge_counts([b.counts for b, _ in built] + [c for c, _ in aggregated])
     return Phases(built, made, aggregated, counts)
 
@@ -143,7 +143,7 @@ def _folders() -> list[str]:
     return [_SHM, temp] if os.path.isdir(_SHM) and temp != _SHM else [temp]
 
 
-def fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
+def _fork_map(fn: Callable[[T, bool], R], shares: list[T]) -> list[R]:
     """``[fn(share, local) for share in shares]``: the first in this process (``local``
     True), each other one in a forked child process, whose result comes back pickled in a
     file (a pipe moves large results at a fraction of memory speed) named on its pipe."""
