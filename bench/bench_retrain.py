@@ -54,8 +54,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from safetensors.torch import load_file
 
@@ -83,6 +81,8 @@ from rollstream.streams.app import group_route
 from rollstream.streams.batch import BatchConfig, SourceRecord
 from rollstream.streams.batch_job import run_batch
 from rollstream.streams.settings import ProcessorSettings
+
+sys.path.insert(0, str(Path(__file__).parent))  # bench_batch_process, for demo runs
 
 RUN = "bench-run"
 DEMO_STEPS_UNBOUNDED = 100_000  # --demo-rollouts: the rollout count stops the demo
@@ -277,7 +277,7 @@ def demo_run(steps: int | None, rollouts: int | None, workers: int = 2) -> dict[
         "ROLLSTREAM_DEMO_SINK": "false",
         "ROLLSTREAM_DEMO_MAX_MINUTES": "90",
         # the demo stops once solved; sized in rollouts, it runs to the count instead
-        "ROLLSTREAM_DEMO_SOLVED_ROUNDS": "0" if rollouts else "2",
+        **({"ROLLSTREAM_DEMO_SOLVED_ROUNDS": "0"} if rollouts else {}),
     }
     out: dict[str, Any] = {
         "bench": "retrain-demo",
