@@ -371,7 +371,13 @@ def baseline_tree(rev: str, work: Path) -> Path:
 
 
 def start_backend(
-    kind: str, port: int, mpath: Path, reply_ids: list[int], service_ms: float, work: Path
+    kind: str,
+    port: int,
+    mpath: Path,
+    chat: Any,
+    reply_ids: list[int],
+    service_ms: float,
+    work: Path,
 ) -> subprocess.Popen[bytes]:
     """``fake``: this script's fake backend (the fixed reply, after ``service_ms``, per token
     when streamed); ``reference``: `rollstream serve-model` with the tiny model, answering
@@ -382,10 +388,7 @@ def start_backend(
         Stream.extra = {"temperature": 0}
         return spawn([cli, "serve-model", "--port", str(port), "--model", str(mpath)],
                      work / "fake.log", env)  # fmt: skip
-    from rollstream.producers.proxy.chat import ChatTemplate
-
-    chat = ChatTemplate.from_dir(mpath)
-    pieces = [chat.decode([t]) for t in reply_ids]
+    pieces = [chat.decode([t]) for t in reply_ids]  # chat: the model's ChatTemplate
     env = {**os.environ, "BENCH_REPLY_PIECES": json.dumps(pieces)}
     return spawn([sys.executable, str(Path(__file__).resolve()), "--serve-fake", str(port),
                   "--reply-ids", ",".join(map(str, reply_ids)), "--backend-ms", str(service_ms)],
@@ -647,7 +650,9 @@ def stream_bench(args: argparse.Namespace) -> None:
         chat = ChatTemplate.from_dir(mpath)
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
         me = [sys.executable, str(Path(__file__).resolve())]
-        fake = start_backend(args.backend_server, fport, mpath, reply_ids, args.token_ms, work)
+        fake = start_backend(
+            args.backend_server, fport, mpath, chat, reply_ids, args.token_ms, work
+        )
         proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
                        "--model-path", str(mpath), "--http-client", "http1"],
                       work / "proxy.log")  # fmt: skip
@@ -892,7 +897,9 @@ def main() -> None:
         chat = ChatTemplate.from_dir(mpath)
         reply_ids = [*chat.encode(REPLY).tolist(), chat.eos_id]
         me = [sys.executable, str(Path(__file__).resolve())]
-        fake = start_backend(args.backend_server, fport, mpath, reply_ids, args.backend_ms, work)
+        fake = start_backend(
+            args.backend_server, fport, mpath, chat, reply_ids, args.backend_ms, work
+        )
         ours: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # target -> (port, process)
         for i, client in enumerate(clients):
             target = "proxy" if i == 0 else f"proxy_{client}"
