@@ -109,12 +109,29 @@ def _wait_for_offsets(settings: CommonSettings, names: list[str], timeout: float
 
     consumer = Consumer({**settings.kafka_config(), "group.id": "rollstream-topics-ready"})
     try:
-        md = consumer.list_topics(timeout=timeout)
+        md = known_metadata(consumer, names, timeout)
         for name in names:
             for p in md.topics[name].partitions:
                 watermarks(consumer, TopicPartition(name, p), timeout)
     finally:
         consumer.close()
+
+
+def known_metadata(client: Any, names: list[str], timeout: float) -> Any:
+    """Cluster metadata once it names every topic in ``names`` with its partitions.
+
+    Each broker learns of a new topic on its own: the broker this client asks may not know it
+    yet though the admin's broker already named its leaders. Ask again until all are known.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        md = client.list_topics(timeout=max(0.1, deadline - time.monotonic()))
+        unknown = [n for n in names if n not in md.topics or not md.topics[n].partitions]
+        if not unknown:
+            return md
+        if time.monotonic() >= deadline:
+            raise TopicError(f"brokers do not know {sorted(unknown)} after {timeout:.0f}s")
+        time.sleep(0.1)
 
 
 def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:
