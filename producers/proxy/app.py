@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 import time
@@ -376,6 +377,17 @@ def create_app(
     return app
 
 
+def settle_heap() -> None:
+    """Call once the app is built, before serving: what is alive now (the template, the
+    tokenizer, the pool, the libraries) is frozen out of the collector's reach, and the young
+    generation collects every 10,000 net allocations instead of 700. A streamed call makes a
+    few dozen short-lived objects per token; bench_proxy.py --stream --baseline-rev measured
+    5-8% less of the proxy's CPU per paced call with this. Process-wide: ``run`` calls it."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, *gc.get_threshold()[1:])
+
+
 STOP_REQUESTS_S: Final = 5.0  # SIGTERM: the longest wait for requests still being answered
 STOP_DELIVER_S: Final = 5.0  # then the events' delivery, unless close_timeout_s is set
 
@@ -391,6 +403,7 @@ def run(settings: ProxySettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # only uvicorn's re-raise lands here: after the stop
     app = create_app(settings)
+    settle_heap()
     uvicorn.run(
         app,
         host=settings.proxy_host,

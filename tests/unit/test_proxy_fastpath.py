@@ -660,3 +660,21 @@ def test_top_logprobs_response_format_and_tool_choice(chat: ChatTemplate) -> Non
         run(via_vllm)
     finally:
         recorder.close(5)
+
+
+def test_settle_heap_freezes_the_start_up_heap_and_collects_young_objects_less_often() -> None:
+    import gc
+
+    from rollstream.producers.proxy.app import settle_heap
+
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        kept = [1, 2]  # alive at start-up: frozen with the rest (out of every generation)
+        assert any(o is kept for o in gc.get_objects())
+        settle_heap()
+        assert gc.get_freeze_count() > frozen
+        assert gc.get_threshold() == (10_000, *threshold[1:])
+        assert not any(o is kept for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
