@@ -36,7 +36,9 @@ parsed) sends --hop-calls completions one after another to the fake backend; the
 (us) and this process's CPU per call (us), and each client's ratio to the first one's.
 
 Streaming (--stream): the fake backend streams its reply one token per chunk, --token-ms apart
-(vLLM's text_completion chunks on /v1/completions for the proxy; OpenAI chat chunks and
+on its own clock (token i is due (i + 1) x token-ms after the request, as a model's decode loop
+produces tokens whatever its HTTP layer does, so the cost of encoding each API's chunks does
+not add up over the reply) (vLLM's text_completion chunks on /v1/completions for the proxy; OpenAI chat chunks and
 Anthropic Messages events on its own /v1/chat/completions and /v1/messages for direct calls),
 and 64 streams call with ``stream: true``, closed loop and then paced (--stream-rate calls/s in
 total); with --backend-server reference (chat only) the tiny model streams instead, greedy, up
@@ -129,8 +131,13 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
     step = max(service_ms, 0.0) / 1000
 
     async def tokens(events: Callable[[int, bool], bytes], end: bytes) -> Any:
+        # a model's time per token (the first: its prefill), on the model's own clock: token i
+        # is due (i + 1) x step after the request, however long the chunks before it took to
+        # encode and send (a decode loop does not wait for its HTTP layer)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         for i in range(len(reply_ids)):
-            await asyncio.sleep(step)  # a model's time per token (the first: its prefill)
+            await asyncio.sleep(max(0.0, start + (i + 1) * step - loop.time()))
             yield events(i, i == len(reply_ids) - 1)
         yield end
 
