@@ -196,8 +196,9 @@ class Delivery:
                     and not self._failures
                     and self._produce(topic, key, value, ts_ms, None)
                 ):
-                    if self._asleep:  # its report needs the thread's poll (see _idle_wait)
-                        self._wake.set()
+                    # not woken for it: its report waits for the thread's next look (within
+                    # the 50 ms of _idle_wait's sleep); a wake per event would cost this thread
+                    # a context switch and the GIL's handover on every record
                     return
                 if len(self._queue) < self.queue_size:
                     self._queue.append(SpoolItem(topic, key, value, ts_ms))
@@ -380,10 +381,11 @@ class Delivery:
         """Nothing to do. While events keep coming, nap ``_LINGER_S`` and look again, so the
         harness never pays for waking this thread (a wake per event costs more than the whole
         event: every handover of the GIL is a context switch). After ``_NAP_FOR_S`` without
-        events, sleep until woken: ``submit`` wakes the thread only in that state. The flag is
-        set BEFORE the queue and the client's pending messages are checked and read by
-        ``submit`` AFTER its append or hand-over, so one of the two always sees the other: no
-        event (and no delivery report) waits for the long timeout."""
+        events, sleep until woken, 50 ms at most: ``submit`` wakes the thread only in that
+        state, and only for an event it queued (one it handed to the client itself is sent
+        by the client; its delivery report waits for this thread's next look). The flag is
+        set BEFORE the queue is checked and read by ``submit`` AFTER its append, so one of
+        the two always sees the other: no queued event waits for the timeout."""
         if now - self._active_at < _NAP_FOR_S:
             time.sleep(_LINGER_S)
             return

@@ -342,6 +342,48 @@ def test_submit_hands_over_in_the_callers_thread_then_queues_behind_a_full_clien
     assert_exactly_once_in_order(consumed(transport), 43 + 40)
 
 
+def test_a_handed_over_event_wakes_no_thread_and_its_report_still_comes(tmp_path: Path) -> None:
+    """An event ``submit`` hands to the client itself does not wake the sleeping delivery thread
+    (a wake per event costs the harness's thread a context switch): its delivery report is
+    polled at the thread's next look, within its 50 ms sleep, with no flush. An event queued
+    behind a full client does wake it."""
+
+    class Counting(threading.Event):
+        sets = 0
+
+        def set(self) -> None:
+            Counting.sets += 1
+            super().set()
+
+    class Gated(MemoryTransport):
+        full = False
+
+        def produce(self, *args: Any, **kwargs: Any) -> None:
+            if self.full:
+                raise BufferError("full")
+            super().produce(*args, **kwargs)
+
+    transport = Gated()
+    recorder = Recorder(make_settings(tmp_path), transport=transport)
+    delivery = recorder.delivery
+    delivery._wake = Counting()
+    wait_for(lambda: delivery._asleep)  # no events for _NAP_FOR_S: it sleeps until woken
+    r = recorder.rollout(task_id="t", group_id="g")
+    r.reward(1.0, "partial")
+    assert Counting.sets == 0 and recorder.stats.queued == 0
+    wait_for(lambda: delivery.idle(), timeout=1.0)  # the reports came, nothing was flushed
+    assert recorder.stats.sent == 2 and Counting.sets == 0
+    wait_for(lambda: delivery._asleep)
+    transport.full = True
+    r.reward(2.0, "partial")
+    assert recorder.stats.queued == 1 and Counting.sets == 1  # a queued event wakes it
+    transport.full = False
+    r.finish()
+    assert recorder.flush(10)
+    recorder.close()
+    assert_exactly_once_in_order(consumed(transport), 4)
+
+
 def test_without_a_spool_the_client_buffers_then_drops_and_counts(tmp_path: Path) -> None:
     transport = MemoryTransport(capacity=4)
     transport.available = False
