@@ -38,8 +38,9 @@ parsed) sends --hop-calls completions one after another to the fake backend; the
 Streaming (--stream): the fake backend streams its reply one token per chunk, --token-ms apart
 on its own clock (token i is due (i + 1) x token-ms after the request, as a model's decode loop
 produces tokens whatever its HTTP layer does, so the cost of encoding each API's chunks does
-not add up over the reply) (vLLM's text_completion chunks on /v1/completions for the proxy; OpenAI chat chunks and
-Anthropic Messages events on its own /v1/chat/completions and /v1/messages for direct calls),
+not add up over the reply): vLLM's text_completion chunks on /v1/completions for the proxy;
+OpenAI chat chunks and Anthropic Messages events on its own /v1/chat/completions and
+/v1/messages for direct calls;
 and 64 streams call with ``stream: true``, closed loop and then paced (--stream-rate calls/s in
 total); with --backend-server reference (chat only) the tiny model streams instead, greedy, up
 to 64 tokens (direct calls make the server render the chat template; the proxy sends ids).
