@@ -249,9 +249,12 @@ def serve_proxy(
     else:
         recorder = Recorder(settings, transport=SinkTransport())
     app = create_app(settings, recorder=recorder)
-    settle = getattr(sys.modules[create_app.__module__], "settle_heap", None)
-    if settle is not None:  # as `rollstream proxy` does (a --baseline-rev from before: not)
-        settle()
+    try:  # as `rollstream proxy` does (a --baseline-rev from before it has none)
+        from rollstream.producers.proxy.app import settle_heap
+    except ImportError:
+        pass
+    else:
+        settle_heap()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

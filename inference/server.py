@@ -192,10 +192,7 @@ class _Api:
             params = wire.sampling(body, engine.max_len, longest, self.seeds.getrandbits(63))
         finally:
             sched.arriving -= 1
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestRefused("`stream` must be a boolean", param="stream")
-        if stream:
+        if wire.stream_flag(body):
             if len(prompts) != 1:
                 raise RequestRefused("`stream` takes one prompt", param="prompt")
             include_usage = wire.stream_options(body)
@@ -283,9 +280,7 @@ class _Api:
         sched.arriving += 1
         try:
             body = await _json(request, self.settings.model_max_request_bytes)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise RequestRefused("`stream` must be a boolean", param="stream")
+            stream = wire.stream_flag(body)
             include_usage = wire.stream_options(body) if stream else False
             prompt = wire.chat_prompt(body, engine.tokenizer, engine.vocab, name)
             params = wire.sampling(body, engine.max_len, len(prompt), self.seeds.getrandbits(63))

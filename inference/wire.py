@@ -261,6 +261,14 @@ def chat_body(
 # --------------------------------------------------------------------------- streaming
 
 
+def stream_flag(body: dict[str, Any]) -> bool:
+    """The request's ``stream`` (False when absent); 400 when it is not a boolean."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestRefused("`stream` must be a boolean", param="stream")
+    return stream
+
+
 def stream_options(body: dict[str, Any]) -> bool:
     """Whether a streamed request asked for the usage chunk (``stream_options.include_usage``,
     as vLLM reads it); 400 on a ``stream_options`` that is not an object."""

@@ -380,9 +380,9 @@ def create_app(
 def settle_heap() -> None:
     """Call once the app is built, before serving: what is alive now (the template, the
     tokenizer, the pool, the libraries) is frozen out of the collector's reach, and the young
-    generation collects every 10,000 net allocations instead of 700. A streamed call makes a
-    few dozen short-lived objects per token; bench_proxy.py --stream --baseline-rev measured
-    5-8% less of the proxy's CPU per paced call with this. Process-wide: ``run`` calls it."""
+    generation collects every 10,000 net allocations instead of 700 (a streamed call makes a
+    few dozen short-lived objects per token). Process-wide: ``run`` calls it. Its effect on
+    streamed calls: docs/benchmarks.md (bench_proxy.py --stream --baseline-rev)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
