@@ -50,11 +50,14 @@ run, and through the relay ("relay_<api>": the floor); added_* = proxied (or rel
 per percentile and phase; cpu_ms_per_call: the backend's and the proxy's CPU together,
 own_cpu_ms_per_call: the proxy process's alone. With --baseline-rev the proxy of that revision
 is measured too ("baseline_<api>"), and proxy_<api>_own_cpu_over_baseline is the ratio of the
-two proxies' own CPU per call.
+two proxies' own CPU per call. With --unrecorded the same proxy with its LlmCalls skipped is
+measured too ("unrecorded_<api>", not a mode of the proxy): what recording each call, which
+the proxy does before the stream's last event so that a call it cannot record is an error
+event and not a finished answer, adds to the last token.
 LiteLLM (if it starts) is measured on the chat API the same way.
 
     .venv/bin/python bench/bench_proxy.py --stream [--quick] [--token-ms 20] [--api chat,messages]
-        [--baseline-rev HEAD] [--backend-server reference --api chat]
+        [--baseline-rev HEAD] [--unrecorded] [--backend-server reference --api chat]
 
     .venv/bin/python bench/bench_proxy.py [--quick] [--streams 64] [--rate 200]
         [--litellm PATH/TO/litellm] [--bootstrap HOST:PORT] [--baseline-rev HEAD]
@@ -220,8 +223,16 @@ def serve_fake(port: int, reply_ids: list[int], service_ms: float = 0.0) -> None
 
 
 def serve_proxy(
-    port: int, backend: str, model_path: str, bootstrap: str | None, http_client: str | None
+    port: int,
+    backend: str,
+    model_path: str,
+    bootstrap: str | None,
+    http_client: str | None,
+    record: bool = True,
 ) -> None:
+    """The proxy as `rollstream proxy` runs it, recording to SinkTransport (or --bootstrap's
+    broker). ``record=False`` (--unrecorded's target, not a mode of the proxy): each call's
+    LlmCall is skipped, to show what recording it before the stream's end costs."""
     import uvicorn
 
     from rollstream.producers import Recorder
@@ -249,6 +260,10 @@ def serve_proxy(
     else:
         recorder = Recorder(settings, transport=SinkTransport())
     app = create_app(settings, recorder=recorder)
+    if not record:
+        from rollstream.producers.proxy.service import Proxy
+
+        Proxy._record = lambda *_, **__: None
     try:  # as `rollstream proxy` does (a --baseline-rev from before it has none)
         from rollstream.producers.proxy.app import settle_heap
     except ImportError:
@@ -671,6 +686,12 @@ def stream_bench(args: argparse.Namespace) -> None:
                        "--model-path", str(mpath), "--http-client", "http1"],
                       work / "proxy.log")  # fmt: skip
         ours = {"proxy": (pport, proxy)}  # kind -> (port, process)
+        if args.unrecorded:  # the same proxy, its LlmCalls not recorded: what recording costs
+            uport = free_port()
+            ours["unrecorded"] = uport, spawn(
+                [*me, "--serve-proxy", str(uport), "--backend", f"http://127.0.0.1:{fport}",
+                 "--model-path", str(mpath), "--http-client", "http1", "--skip-record"],
+                work / "unrecorded.log")  # fmt: skip
         if args.baseline_rev:  # the proxy of that revision, measured in the same run
             bport = free_port()
             benv = {**os.environ, "PYTHONPATH": str(baseline_tree(args.baseline_rev, work))}
@@ -873,11 +894,15 @@ def main() -> None:
     ap.add_argument("--api", default="chat,messages", help="--stream: chat, messages or both")
     ap.add_argument("--stream-rate", type=float, default=64.0,
                     help="--stream: the paced phase's calls/s in total")  # fmt: skip
+    ap.add_argument("--unrecorded", action="store_true",
+                    help="--stream: also the proxy with its LlmCalls not recorded (what "
+                         "recording each call before the stream ends costs)")  # fmt: skip
     ap.add_argument("--token-ms", type=float, default=20.0,
                     help="--stream: the fake backend's time per token")  # fmt: skip
     ap.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-proxy", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-relay", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip-record", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--reply-ids", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -888,8 +913,9 @@ def main() -> None:
         return serve_relay(args.serve_relay, args.backend)
     if args.serve_proxy:
         return serve_proxy(
-            args.serve_proxy, args.backend, args.model_path, args.bootstrap, args.http_client
-        )
+            args.serve_proxy, args.backend, args.model_path, args.bootstrap, args.http_client,
+            record=not args.skip_record,
+        )  # fmt: skip
     if args.stream:
         return stream_bench(args)
     clients = [c.strip() for c in args.http_client.split(",") if c.strip()]
