@@ -682,23 +682,20 @@ def stream_bench(args: argparse.Namespace) -> None:
         fake = start_backend(
             args.backend_server, fport, mpath, chat, reply_ids, args.token_ms, work
         )
-        proxy = spawn([*me, "--serve-proxy", str(pport), "--backend", f"http://127.0.0.1:{fport}",
-                       "--model-path", str(mpath), "--http-client", "http1"],
-                      work / "proxy.log")  # fmt: skip
-        ours = {"proxy": (pport, proxy)}  # kind -> (port, process)
+        ours: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # kind -> (port, process)
+
+        def start(kind: str, port: int, *more: str, env: dict[str, str] | None = None) -> None:
+            ours[kind] = port, spawn(
+                [*me, "--serve-proxy", str(port), "--backend", f"http://127.0.0.1:{fport}",
+                 "--model-path", str(mpath), "--http-client", "http1", *more],
+                work / f"{kind}.log", env)  # fmt: skip
+
+        start("proxy", pport)
         if args.unrecorded:  # the same proxy, its LlmCalls not recorded: what recording costs
-            uport = free_port()
-            ours["unrecorded"] = uport, spawn(
-                [*me, "--serve-proxy", str(uport), "--backend", f"http://127.0.0.1:{fport}",
-                 "--model-path", str(mpath), "--http-client", "http1", "--skip-record"],
-                work / "unrecorded.log")  # fmt: skip
+            start("unrecorded", free_port(), "--skip-record")
         if args.baseline_rev:  # the proxy of that revision, measured in the same run
-            bport = free_port()
-            benv = {**os.environ, "PYTHONPATH": str(baseline_tree(args.baseline_rev, work))}
-            ours["baseline"] = bport, spawn(
-                [*me, "--serve-proxy", str(bport), "--backend", f"http://127.0.0.1:{fport}",
-                 "--model-path", str(mpath), "--http-client", "http1"],
-                work / "baseline.log", benv)  # fmt: skip
+            tree = baseline_tree(args.baseline_rev, work)
+            start("baseline", free_port(), env={**os.environ, "PYTHONPATH": str(tree)})
         rport = free_port()  # the floor: a byte relay in front of the backend's direct routes
         relay = spawn([*me, "--serve-relay", str(rport), "--backend", f"http://127.0.0.1:{fport}"],
                       work / "relay.log")  # fmt: skip
